@@ -1,0 +1,252 @@
+"""The functional Adam step over CPU buffers: every call into ``csrc._adam`` is here.
+
+Each function checks what it is handed (device, dtype, contiguity, lengths) before
+passing addresses to C, so a bad tensor is a ``ConfigError`` that names it rather
+than memory corruption. The C releases the GIL and runs its own threads.
+
+``adam_step`` is what the engine calls for a fused offload step: bf16/fp16 gradients
+in, fp32 master and moments updated in place, an optional bf16/fp16 copy of the new
+params written in the same pass, and a gradient multiplier (1/loss_scale times the
+clip coefficient) applied on the way in. ``grad_sumsq`` is the cheap pass that comes
+first: its result gives the clip coefficient, and a non-finite result says to skip
+the step under fp16 loss scaling.
+"""
+from __future__ import annotations
+
+import array
+import dataclasses
+import enum
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from csrc import BuildError, ConfigError, raise_errno
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AdamConfig",
+    "Isa",
+    "adam_step",
+    "available_isas",
+    "default_num_threads",
+    "grad_sumsq",
+    "resolve_isa",
+    "stream_inplace",
+]
+
+ABI_VERSION = 1
+_REBUILD = "rebuild it with `pip install -e .` (or `pip install .`) from the project root"
+
+try:
+    from csrc._adam import ffi, lib
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise BuildError(f"the compiled Adam kernels (csrc._adam) are missing: {exc}; {_REBUILD}") from exc
+
+if lib.ofl_adam_abi_version() != ABI_VERSION:  # pragma: no cover - stale build
+    raise BuildError(
+        f"csrc._adam is a stale build (ABI {lib.ofl_adam_abi_version()}, "
+        f"this code needs {ABI_VERSION}); {_REBUILD}"
+    )
+
+
+class Isa(enum.IntEnum):
+    """Instruction-set path of the kernels."""
+
+    AUTO = lib.OFL_ISA_AUTO  # the best this CPU and OS support
+    SCALAR = lib.OFL_ISA_SCALAR  # portable C, any CPU
+    AVX2 = lib.OFL_ISA_AVX2  # AVX2 + FMA + F16C
+    AVX512 = lib.OFL_ISA_AVX512  # AVX-512 F/BW/VL/DQ
+
+
+ISA_ENV = "OFFLOAD_CPU_ADAM_ISA"
+
+_DTYPE_CODES = {
+    torch.float32: lib.OFL_DTYPE_F32,
+    torch.bfloat16: lib.OFL_DTYPE_BF16,
+    torch.float16: lib.OFL_DTYPE_F16,
+}
+
+
+def available_isas() -> list[Isa]:
+    """The concrete paths (not AUTO) this machine can run, slowest first."""
+    return [isa for isa in (Isa.SCALAR, Isa.AVX2, Isa.AVX512) if lib.ofl_adam_isa_supported(isa)]
+
+
+def resolve_isa(isa: Isa | str | None) -> Isa:
+    """Turn a name, an ``Isa`` or None (the ``OFFLOAD_CPU_ADAM_ISA`` variable, else AUTO) into a concrete path."""
+    if isa is None:
+        isa = os.environ.get(ISA_ENV, "auto")
+    if isinstance(isa, str):
+        try:
+            isa = Isa[isa.strip().upper()]
+        except KeyError:
+            names = ", ".join(i.name.lower() for i in Isa)
+            raise ConfigError(f"unknown ISA {isa!r}: expected one of {names}") from None
+    isa = Isa(isa)
+    if isa == Isa.AUTO:
+        return Isa(lib.ofl_adam_best_isa())
+    if not lib.ofl_adam_isa_supported(isa):
+        raise ConfigError(f"ISA {isa.name.lower()} is not supported by this CPU")
+    return isa
+
+
+def default_num_threads() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamConfig:
+    """Hyperparameters of one Adam step and how the kernel runs it."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    beta1: float = 0.9
+    """Decay of the first moment, in [0, 1)."""
+    beta2: float = 0.999
+    """Decay of the second moment, in [0, 1)."""
+    eps: float = 1e-8
+    """Added to the denominator, >= 0."""
+    weight_decay: float = 0.0
+    """Decay coefficient, >= 0."""
+    adamw_mode: bool = True
+    """True: decoupled decay (AdamW); False: L2 decay added to the gradient (Adam)."""
+    bias_correction: bool = True
+    """Divide the moments by (1 - beta^step)."""
+    num_threads: int | None = None
+    """Threads the kernel may use; None: the cores this process may run on."""
+    isa: Isa | str | None = None
+    """Instruction-set path; None: the OFFLOAD_CPU_ADAM_ISA variable, else the best available."""
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0.0:
+            raise ConfigError(f"lr must be >= 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {value}")
+        if not self.eps >= 0.0:
+            raise ConfigError(f"eps must be >= 0, got {self.eps}")
+        if not self.weight_decay >= 0.0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        resolve_isa(self.isa)  # fail at construction, not at the first step
+
+
+def _addresses(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | None,
+               numels: Sequence[int] | None) -> array.array:
+    """Check every tensor and return their addresses as a uint64 array."""
+    for i, t in enumerate(tensors):
+        if t.device.type != "cpu":
+            raise ConfigError(f"{what}[{i}] is on {t.device}, expected a CPU tensor")
+        if dtype is not None and t.dtype != dtype:
+            raise ConfigError(f"{what}[{i}] has dtype {t.dtype}, expected {dtype}")
+        if not t.is_contiguous():
+            raise ConfigError(f"{what}[{i}] is not contiguous")
+        if numels is not None and t.numel() != numels[i]:
+            raise ConfigError(f"{what}[{i}] has {t.numel()} elements, its param has {numels[i]}")
+    return array.array("Q", [t.data_ptr() for t in tensors])
+
+
+def _grad_code(grads: Sequence[torch.Tensor], what: str) -> int:
+    dtype = grads[0].dtype if grads else torch.float32
+    if dtype not in _DTYPE_CODES:
+        raise ConfigError(f"{what} have dtype {dtype}; supported: float32, bfloat16, float16")
+    return _DTYPE_CODES[dtype]
+
+
+def adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    *,
+    config: AdamConfig,
+    grad_scale: float = 1.0,
+    params_out: Sequence[torch.Tensor] | None = None,
+) -> bool:
+    """One Adam step over all tensors in one C call; returns True if a scaled gradient was not finite.
+
+    ``params``, ``exp_avgs``, ``exp_avg_sqs``: float32, updated in place. ``grads``: one
+    dtype among float32/bfloat16/float16, multiplied by ``grad_scale`` first. ``steps``:
+    one-element float32 tensors, each incremented by one. ``params_out``: optional
+    bfloat16/float16/float32 tensors that receive the updated params in the same pass.
+    """
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
+    if params_out is not None:
+        lists["params_out"] = params_out
+    for what, seq in lists.items():
+        if len(seq) != n:
+            raise ConfigError(f"{what} has {len(seq)} tensors, params has {n}")
+    numels = [p.numel() for p in params]
+    grad_code = _grad_code(grads, "grads")
+    out_code = lib.OFL_DTYPE_NONE
+    if params_out is not None and n:
+        out_code = _grad_code(params_out, "params_out")
+    keep = {
+        "param": _addresses(params, "params", torch.float32, None),
+        "grad": _addresses(grads, "grads", grads[0].dtype if n else None, numels),
+        "exp_avg": _addresses(exp_avgs, "exp_avgs", torch.float32, numels),
+        "exp_avg_sq": _addresses(exp_avg_sqs, "exp_avg_sqs", torch.float32, numels),
+        "step": _addresses(steps, "steps", torch.float32, [1] * n),
+    }
+    if params_out is not None:
+        keep["param_out"] = _addresses(params_out, "params_out", params_out[0].dtype if n else None, numels)
+    numel_arr = array.array("q", numels)
+
+    cfg = ffi.new("ofl_adam_config *")
+    cfg.lr = config.lr
+    cfg.beta1 = config.beta1
+    cfg.beta2 = config.beta2
+    cfg.eps = config.eps
+    cfg.weight_decay = config.weight_decay
+    cfg.adamw_mode = int(config.adamw_mode)
+    cfg.bias_correction = int(config.bias_correction)
+    cfg.grad_scale = grad_scale
+    cfg.grad_dtype = grad_code
+    cfg.out_dtype = out_code
+    cfg.isa = resolve_isa(config.isa)
+    cfg.num_threads = config.num_threads or default_num_threads()
+
+    tens = ffi.new("ofl_adam_tensors *")
+    buffers = {k: ffi.from_buffer("uint64_t[]", v) for k, v in keep.items()}
+    for field, buf in buffers.items():
+        setattr(tens, field, buf)
+    numel_buf = ffi.from_buffer("int64_t[]", numel_arr)
+    tens.numel = numel_buf
+    tens.count = n
+    nonfinite = ffi.new("int32_t *")
+    raise_errno(lib.ofl_adam_step(cfg, tens, nonfinite), "ofl_adam_step")
+    return bool(nonfinite[0])
+
+
+def grad_sumsq(grads: Sequence[torch.Tensor], *, num_threads: int | None = None,
+               isa: Isa | str | None = None) -> float:
+    """Sum of squares (in double) of all gradients; inf or NaN means some gradient was not finite."""
+    if not grads:
+        return 0.0
+    code = _grad_code(grads, "grads")
+    addrs = _addresses(grads, "grads", grads[0].dtype, None)
+    numels = array.array("q", [g.numel() for g in grads])
+    out = ffi.new("double *")
+    rc = lib.ofl_grad_sumsq(ffi.from_buffer("uint64_t[]", addrs), ffi.from_buffer("int64_t[]", numels),
+                            len(grads), code, resolve_isa(isa), num_threads or default_num_threads(), out)
+    raise_errno(rc, "ofl_grad_sumsq")
+    return float(out[0])
+
+
+def stream_inplace(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor, *,
+                   num_threads: int | None = None) -> None:
+    """Roofline probe with Adam's traffic: a += b; c += b; d += b over float32 tensors."""
+    tensors = [a, b, c, d]
+    _addresses(tensors, "stream operands", torch.float32, [a.numel()] * 4)
+    rc = lib.ofl_stream_inplace(ffi.cast("float *", a.data_ptr()), ffi.cast("float *", b.data_ptr()),
+                                ffi.cast("float *", c.data_ptr()), ffi.cast("float *", d.data_ptr()),
+                                a.numel(), num_threads or default_num_threads())
+    raise_errno(rc, "ofl_stream_inplace")

@@ -1,0 +1,157 @@
+"""CPUAdam: a ``torch.optim.Optimizer`` whose step is one SIMD C call per param group.
+
+State per param is what torch's Adam/AdamW keep (``step`` as a float32 scalar tensor,
+``exp_avg``, ``exp_avg_sq``), and each group stores torch's own
+``decoupled_weight_decay`` key, so a state dict moves both ways between this and
+``torch.optim.AdamW`` / ``torch.optim.Adam`` where the semantics agree. What torch has
+and this does not (AMSGrad, maximize) is an error, never ignored.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+
+from csrc import ConfigError
+from cpu_adam.kernels import AdamConfig, Isa, adam_step, resolve_isa
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CPUAdam", "CPUAdamW"]
+
+_UNSUPPORTED = {
+    "amsgrad": "AMSGrad is not implemented by CPUAdam; use torch.optim.AdamW(amsgrad=True)",
+    "maximize": "maximize=True is not implemented by CPUAdam; negate the loss instead",
+}
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam/AdamW over float32 CPU params, all tensors of a group in one multithreaded SIMD call.
+
+    ``adamw_mode=True`` (the default) decays weights decoupled, as AdamW; False adds
+    ``weight_decay * p`` to the gradient, as Adam. ``num_threads`` defaults to the cores
+    this process may use; ``isa`` forces a path ("scalar", "avx2", "avx512").
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+        *,
+        num_threads: int | None = None,
+        isa: Isa | str | None = None,
+    ) -> None:
+        if amsgrad:
+            raise ConfigError(_UNSUPPORTED["amsgrad"])
+        self._isa = resolve_isa(isa)
+        self._num_threads = num_threads
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=bool(adamw_mode),
+            bias_correction=bool(bias_correction),
+            amsgrad=False,
+            maximize=False,
+        )
+        self._group_config(defaults)  # validates the defaults before torch stores them
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "adamw_mode" in param_group:  # our constructor's name for torch's key
+            param_group = dict(param_group)
+            param_group["decoupled_weight_decay"] = bool(param_group.pop("adamw_mode"))
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("decoupled_weight_decay", True)
+            group.setdefault("bias_correction", True)
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and not (torch.is_tensor(st["step"]) and st["step"].dtype == torch.float32
+                               and st["step"].device.type == "cpu"):
+                    st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for i, group in enumerate(state_dict["param_groups"]):
+            for key, why in _UNSUPPORTED.items():
+                if group.get(key):
+                    raise ConfigError(f"param group {i} of the state has {key}=True: {why}")
+        super().load_state_dict(state_dict)
+
+    def _group_config(self, group: dict[str, Any]) -> AdamConfig:
+        for key, why in _UNSUPPORTED.items():
+            if group.get(key):
+                raise ConfigError(why)
+        beta1, beta2 = group["betas"]
+        return AdamConfig(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=bool(group["decoupled_weight_decay"]),
+            bias_correction=bool(group["bias_correction"]),
+            num_threads=self._num_threads,
+            isa=self._isa,
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise ConfigError("CPUAdam does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                params.append(p)
+                grads.append(grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if params:
+                adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, config=self._group_config(group))
+        return loss
+
+
+class CPUAdamW(CPUAdam):
+    """CPUAdam with decoupled weight decay and torch.optim.AdamW's default decay of 1e-2."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        bias_correction: bool = True,
+        amsgrad: bool = False,
+        *,
+        num_threads: int | None = None,
+        isa: Isa | str | None = None,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, True, bias_correction, amsgrad,
+                         num_threads=num_threads, isa=isa)

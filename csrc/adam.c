@@ -1,0 +1,298 @@
+/* Adam dispatch: validation, per-tensor constants, ISA choice and threading. */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "adam_internal.h"
+#include "ofl_parallel.h"
+
+/* Below this many elements a thread costs more to start than it saves. */
+#define OFL_MIN_ELEMS_PER_THREAD 65536
+/* Shares start on 64-element boundaries: whole cache lines of every stream. */
+#define OFL_SHARE_ALIGN 64
+
+int32_t ofl_adam_abi_version(void) { return OFL_ADAM_ABI_VERSION; }
+
+int32_t ofl_adam_isa_supported(int32_t isa) {
+    switch (isa) {
+    case OFL_ISA_AUTO:
+    case OFL_ISA_SCALAR: return 1;
+#if OFL_HAVE_X86
+    case OFL_ISA_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case OFL_ISA_AVX512:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("fma");
+#endif
+    default: return 0;
+    }
+}
+
+int32_t ofl_adam_best_isa(void) {
+    if (ofl_adam_isa_supported(OFL_ISA_AVX512)) return OFL_ISA_AVX512;
+    if (ofl_adam_isa_supported(OFL_ISA_AVX2)) return OFL_ISA_AVX2;
+    return OFL_ISA_SCALAR;
+}
+
+/* Resolves AUTO and checks the rest; 0 on success or -ENOTSUP / -EINVAL. */
+static int32_t resolve_isa(int32_t isa, int32_t *resolved) {
+    if (isa < OFL_ISA_AUTO || isa > OFL_ISA_AVX512) return -EINVAL;
+    if (isa == OFL_ISA_AUTO) isa = ofl_adam_best_isa();
+    if (!ofl_adam_isa_supported(isa)) return -ENOTSUP;
+    *resolved = isa;
+    return 0;
+}
+
+static ofl_adam_kernel_fn adam_kernel_for(int32_t isa) {
+#if OFL_HAVE_X86
+    if (isa == OFL_ISA_AVX512) return ofl_adam_kernel_avx512;
+    if (isa == OFL_ISA_AVX2) return ofl_adam_kernel_avx2;
+#endif
+    (void)isa;
+    return ofl_adam_kernel_scalar;
+}
+
+static ofl_sumsq_kernel_fn sumsq_kernel_for(int32_t isa) {
+#if OFL_HAVE_X86
+    if (isa == OFL_ISA_AVX512) return ofl_sumsq_kernel_avx512;
+    if (isa == OFL_ISA_AVX2) return ofl_sumsq_kernel_avx2;
+#endif
+    (void)isa;
+    return ofl_sumsq_kernel_scalar;
+}
+
+static int64_t dtype_bytes(int32_t dtype) { return dtype == OFL_DTYPE_F32 ? 4 : 2; }
+
+static int32_t effective_threads(int32_t requested, int64_t total) {
+    int64_t useful = total / OFL_MIN_ELEMS_PER_THREAD;
+    if (useful < 1) useful = 1;
+    return useful < requested ? (int32_t)useful : requested;
+}
+
+/* ---- walking a thread's share of a virtual concatenation of tensors ---- */
+
+typedef void (*segment_fn)(void *ctx, int64_t tensor, int64_t offset, int64_t len);
+
+/* starts has count + 1 entries: starts[i] is where tensor i begins. */
+static void walk_share(const int64_t *starts, int64_t count, int64_t lo, int64_t hi,
+                       segment_fn visit, void *ctx) {
+    if (lo >= hi) return;
+    int64_t a = 0, b = count - 1; /* first tensor whose end is past lo */
+    while (a < b) {
+        int64_t mid = a + (b - a) / 2;
+        if (starts[mid + 1] <= lo) a = mid + 1;
+        else b = mid;
+    }
+    for (int64_t t = a; t < count && starts[t] < hi; t++) {
+        int64_t s = lo > starts[t] ? lo : starts[t];
+        int64_t e = hi < starts[t + 1] ? hi : starts[t + 1];
+        if (e > s) visit(ctx, t, s - starts[t], e - s);
+    }
+}
+
+static int64_t *prefix_starts(const int64_t *numel, int64_t count) {
+    int64_t *starts = malloc((size_t)(count + 1) * sizeof *starts);
+    if (!starts) return NULL;
+    starts[0] = 0;
+    for (int64_t i = 0; i < count; i++) starts[i + 1] = starts[i] + numel[i];
+    return starts;
+}
+
+/* ---- Adam ---- */
+
+typedef struct {
+    const ofl_adam_config *cfg;
+    const ofl_adam_tensors *t;
+    const ofl_adam_coeffs *coeffs;
+    const int64_t *starts;
+    ofl_adam_kernel_fn kernel;
+    int32_t nonfinite;
+} adam_job;
+
+static void adam_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
+    adam_job *job = (adam_job *)ctx;
+    const ofl_adam_tensors *t = job->t;
+    int32_t od = job->cfg->out_dtype;
+    char *g = (char *)(uintptr_t)t->grad[i] + off * dtype_bytes(job->cfg->grad_dtype);
+    char *out = od == OFL_DTYPE_NONE
+                    ? NULL
+                    : (char *)(uintptr_t)t->param_out[i] + off * dtype_bytes(od);
+    int32_t bad = job->kernel(&job->coeffs[i], job->cfg->grad_dtype, od,
+                              (float *)(uintptr_t)t->param[i] + off, g,
+                              (float *)(uintptr_t)t->exp_avg[i] + off,
+                              (float *)(uintptr_t)t->exp_avg_sq[i] + off, out, len);
+    if (bad) __atomic_store_n(&job->nonfinite, 1, __ATOMIC_RELAXED);
+}
+
+static void adam_task(void *ctx, int32_t index, int32_t count) {
+    adam_job *job = (adam_job *)ctx;
+    int64_t lo, hi;
+    ofl_parallel_share(job->starts[job->t->count], index, count, OFL_SHARE_ALIGN, &lo, &hi);
+    walk_share(job->starts, job->t->count, lo, hi, adam_segment, job);
+}
+
+static int32_t check_adam_args(const ofl_adam_config *cfg, const ofl_adam_tensors *t) {
+    if (!cfg || !t || t->count < 0 || cfg->num_threads < 1) return -EINVAL;
+    if (cfg->grad_dtype < OFL_DTYPE_F32 || cfg->grad_dtype > OFL_DTYPE_F16) return -EINVAL;
+    if (cfg->out_dtype < OFL_DTYPE_NONE || cfg->out_dtype > OFL_DTYPE_F16) return -EINVAL;
+    if (t->count == 0) return 0;
+    int want_out = cfg->out_dtype != OFL_DTYPE_NONE;
+    if (!t->param || !t->grad || !t->exp_avg || !t->exp_avg_sq || !t->step || !t->numel ||
+        (want_out && !t->param_out))
+        return -EINVAL;
+    for (int64_t i = 0; i < t->count; i++) {
+        if (t->numel[i] < 0 || !t->step[i]) return -EINVAL;
+        if (t->numel[i] > 0 && (!t->param[i] || !t->grad[i] || !t->exp_avg[i] ||
+                                !t->exp_avg_sq[i] || (want_out && !t->param_out[i])))
+            return -EINVAL;
+    }
+    return 0;
+}
+
+/* Increments tensor i's step and derives its constants in double. */
+static void step_coeffs(const ofl_adam_config *cfg, float *step, ofl_adam_coeffs *c) {
+    *step += 1.0f;
+    double t = *step;
+    double bc1 = cfg->bias_correction ? 1.0 - pow(cfg->beta1, t) : 1.0;
+    double bc2 = cfg->bias_correction ? 1.0 - pow(cfg->beta2, t) : 1.0;
+    c->beta1 = cfg->beta1;
+    c->one_minus_beta1 = (float)(1.0 - (double)cfg->beta1);
+    c->beta2 = cfg->beta2;
+    c->one_minus_beta2 = (float)(1.0 - (double)cfg->beta2);
+    c->eps = cfg->eps;
+    c->step_size = (float)((double)cfg->lr / bc1);
+    c->inv_bias2_sqrt = (float)(1.0 / sqrt(bc2));
+    c->decay_mul = cfg->adamw_mode ? (float)(1.0 - (double)cfg->lr * cfg->weight_decay) : 1.0f;
+    c->l2_decay = cfg->adamw_mode ? 0.0f : cfg->weight_decay;
+    c->grad_scale = cfg->grad_scale;
+}
+
+int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,
+                      int32_t *nonfinite_out) {
+    int32_t rc = check_adam_args(cfg, t);
+    if (rc) return rc;
+    int32_t isa;
+    rc = resolve_isa(cfg->isa, &isa);
+    if (rc) return rc;
+    if (nonfinite_out) *nonfinite_out = 0;
+    if (t->count == 0) return 0;
+
+    int64_t *starts = prefix_starts(t->numel, t->count);
+    ofl_adam_coeffs *coeffs = malloc((size_t)t->count * sizeof *coeffs);
+    if (!starts || !coeffs) {
+        free(starts);
+        free(coeffs);
+        return -ENOMEM;
+    }
+    for (int64_t i = 0; i < t->count; i++)
+        step_coeffs(cfg, (float *)(uintptr_t)t->step[i], &coeffs[i]);
+
+    adam_job job = {cfg, t, coeffs, starts, adam_kernel_for(isa), 0};
+    ofl_parallel_run(adam_task, &job, effective_threads(cfg->num_threads, starts[t->count]));
+    if (nonfinite_out) *nonfinite_out = job.nonfinite;
+    free(starts);
+    free(coeffs);
+    return 0;
+}
+
+/* ---- gradient sum of squares ---- */
+
+typedef struct {
+    const uint64_t *grads;
+    const int64_t *starts;
+    int64_t count;
+    int32_t dtype;
+    ofl_sumsq_kernel_fn kernel;
+    double *partial; /* one per worker, summed in index order: the result is deterministic */
+} sumsq_job;
+
+typedef struct {
+    sumsq_job *job;
+    int32_t index;
+} sumsq_visit;
+
+static void sumsq_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
+    sumsq_visit *sv = (sumsq_visit *)ctx;
+    sumsq_job *job = sv->job;
+    const char *g = (const char *)(uintptr_t)job->grads[i] + off * dtype_bytes(job->dtype);
+    job->kernel(job->dtype, g, len, &job->partial[sv->index]);
+}
+
+static void sumsq_task(void *ctx, int32_t index, int32_t count) {
+    sumsq_job *job = (sumsq_job *)ctx;
+    int64_t lo, hi;
+    ofl_parallel_share(job->starts[job->count], index, count, OFL_SHARE_ALIGN, &lo, &hi);
+    sumsq_visit sv = {job, index};
+    walk_share(job->starts, job->count, lo, hi, sumsq_segment, &sv);
+}
+
+int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t count,
+                       int32_t dtype, int32_t isa, int32_t num_threads, double *sumsq_out) {
+    if (!sumsq_out || count < 0 || num_threads < 1) return -EINVAL;
+    if (dtype < OFL_DTYPE_F32 || dtype > OFL_DTYPE_F16) return -EINVAL;
+    if (count > 0 && (!grads || !numel)) return -EINVAL;
+    for (int64_t i = 0; i < count; i++)
+        if (numel[i] < 0 || (numel[i] > 0 && !grads[i])) return -EINVAL;
+    int32_t resolved;
+    int32_t rc = resolve_isa(isa, &resolved);
+    if (rc) return rc;
+    *sumsq_out = 0.0;
+    if (count == 0) return 0;
+
+    int64_t *starts = prefix_starts(numel, count);
+    int32_t workers = effective_threads(num_threads, starts ? starts[count] : 0);
+    double *partial = calloc((size_t)workers, sizeof *partial);
+    if (!starts || !partial) {
+        free(starts);
+        free(partial);
+        return -ENOMEM;
+    }
+    sumsq_job job = {grads, starts, count, dtype, sumsq_kernel_for(resolved), partial};
+    ofl_parallel_run(sumsq_task, &job, workers);
+    double s = 0.0;
+    for (int32_t i = 0; i < workers; i++) s += partial[i];
+    *sumsq_out = s;
+    free(starts);
+    free(partial);
+    return 0;
+}
+
+/* ---- roofline probe ---- */
+
+typedef struct {
+    float *a;
+    const float *b;
+    float *c;
+    float *d;
+    int64_t n;
+} stream_job;
+
+#if OFL_HAVE_X86
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void stream_range(float *restrict a, const float *restrict b, float *restrict c,
+                         float *restrict d, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float x = b[i];
+        a[i] += x;
+        c[i] += x;
+        d[i] += x;
+    }
+}
+
+static void stream_task(void *ctx, int32_t index, int32_t count) {
+    stream_job *j = (stream_job *)ctx;
+    int64_t lo, hi;
+    ofl_parallel_share(j->n, index, count, OFL_SHARE_ALIGN, &lo, &hi);
+    if (hi > lo) stream_range(j->a + lo, j->b + lo, j->c + lo, j->d + lo, hi - lo);
+}
+
+int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t n,
+                           int32_t num_threads) {
+    if (n < 0 || num_threads < 1 || (n > 0 && (!a || !b || !c || !d))) return -EINVAL;
+    stream_job job = {a, b, c, d, n};
+    ofl_parallel_run(stream_task, &job, effective_threads(num_threads, n));
+    return 0;
+}

@@ -1,0 +1,123 @@
+/* AVX2 + FMA + F16C Adam: 8 lanes a vector, the last < 8 elements by the scalar update. */
+#include "adam_internal.h"
+
+#if OFL_HAVE_X86
+#pragma GCC target("avx2,fma,f16c")
+#include <immintrin.h>
+
+#define OFL_AI static inline __attribute__((always_inline))
+
+typedef struct {
+    __m256 b1, omb1, b2, omb2, eps, step, ibc2, decay, l2, gscale;
+} vcoeffs8;
+
+OFL_AI __m256 load_grad8(int32_t dt, const void *g, int64_t i) {
+    if (dt == OFL_DTYPE_F32) return _mm256_loadu_ps((const float *)g + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g + i));
+    if (dt == OFL_DTYPE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+OFL_AI __m128i f32_to_bf16_8(__m256 x) {
+    __m256i b = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(b, _mm256_set1_epi32(0x00400000)), nan);
+    r = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+OFL_AI void store_out8(int32_t dt, void *out, int64_t i, __m256 x) {
+    if (dt == OFL_DTYPE_NONE) return;
+    if (dt == OFL_DTYPE_F32) {
+        _mm256_storeu_ps((float *)out + i, x);
+        return;
+    }
+    __m128i h = dt == OFL_DTYPE_BF16
+                    ? f32_to_bf16_8(x)
+                    : _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + i), h);
+}
+
+OFL_AI void update8(const vcoeffs8 *c, int32_t gd, int32_t od, float *p, const void *g,
+                    float *m, float *v, void *out, int64_t i, __m256 *bad) {
+    __m256 pv = _mm256_loadu_ps(p + i);
+    __m256 mv = _mm256_loadu_ps(m + i);
+    __m256 vv = _mm256_loadu_ps(v + i);
+    __m256 gv = _mm256_mul_ps(load_grad8(gd, g, i), c->gscale);
+    *bad = _mm256_add_ps(*bad, _mm256_mul_ps(gv, _mm256_setzero_ps()));
+    gv = _mm256_fmadd_ps(c->l2, pv, gv);
+    mv = _mm256_fmadd_ps(c->b1, mv, _mm256_mul_ps(c->omb1, gv));
+    vv = _mm256_fmadd_ps(c->b2, vv, _mm256_mul_ps(_mm256_mul_ps(c->omb2, gv), gv));
+    __m256 den = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), c->ibc2, c->eps);
+    pv = _mm256_fnmadd_ps(c->step, _mm256_div_ps(mv, den), _mm256_mul_ps(pv, c->decay));
+    _mm256_storeu_ps(p + i, pv);
+    _mm256_storeu_ps(m + i, mv);
+    _mm256_storeu_ps(v + i, vv);
+    store_out8(od, out, i, pv);
+}
+
+OFL_AI int32_t adam_loop8(const ofl_adam_coeffs *s, int32_t gd, int32_t od, float *p,
+                          const void *g, float *m, float *v, void *out, int64_t n) {
+    vcoeffs8 c = {
+        _mm256_set1_ps(s->beta1),    _mm256_set1_ps(s->one_minus_beta1),
+        _mm256_set1_ps(s->beta2),    _mm256_set1_ps(s->one_minus_beta2),
+        _mm256_set1_ps(s->eps),      _mm256_set1_ps(s->step_size),
+        _mm256_set1_ps(s->inv_bias2_sqrt), _mm256_set1_ps(s->decay_mul),
+        _mm256_set1_ps(s->l2_decay), _mm256_set1_ps(s->grad_scale),
+    };
+    __m256 bad = _mm256_setzero_ps();
+    int64_t i = 0;
+#pragma GCC unroll 4
+    for (; i + 8 <= n; i += 8) update8(&c, gd, od, p, g, m, v, out, i, &bad);
+    int32_t nonfinite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) != 0;
+    for (; i < n; i++) nonfinite |= !isfinite(ofl_adam_update1(s, gd, od, p, g, m, v, out, i));
+    return nonfinite;
+}
+
+#define OFL_OUT_CASES(GD)                                                             \
+    switch (out_dtype) {                                                              \
+    case OFL_DTYPE_NONE: return adam_loop8(c, GD, OFL_DTYPE_NONE, p, g, m, v, out, n); \
+    case OFL_DTYPE_F32: return adam_loop8(c, GD, OFL_DTYPE_F32, p, g, m, v, out, n);   \
+    case OFL_DTYPE_BF16: return adam_loop8(c, GD, OFL_DTYPE_BF16, p, g, m, v, out, n); \
+    default: return adam_loop8(c, GD, OFL_DTYPE_F16, p, g, m, v, out, n);              \
+    }
+
+int32_t ofl_adam_kernel_avx2(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                             float *p, const void *g, float *m, float *v, void *out, int64_t n) {
+    switch (grad_dtype) {
+    case OFL_DTYPE_F32: OFL_OUT_CASES(OFL_DTYPE_F32)
+    case OFL_DTYPE_BF16: OFL_OUT_CASES(OFL_DTYPE_BF16)
+    default: OFL_OUT_CASES(OFL_DTYPE_F16)
+    }
+}
+
+OFL_AI void sumsq_loop8(int32_t dt, const void *g, int64_t n, double *acc) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = load_grad8(dt, g, i);
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+        a0 = _mm256_fmadd_pd(lo, lo, a0);
+        a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(a0, a1));
+    double s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++) {
+        double x = ofl_load_grad1(dt, g, i);
+        s += x * x;
+    }
+    *acc += s;
+}
+
+void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc) {
+    switch (dtype) {
+    case OFL_DTYPE_F32: sumsq_loop8(OFL_DTYPE_F32, g, n, acc); break;
+    case OFL_DTYPE_BF16: sumsq_loop8(OFL_DTYPE_BF16, g, n, acc); break;
+    default: sumsq_loop8(OFL_DTYPE_F16, g, n, acc); break;
+    }
+}
+#endif /* OFL_HAVE_X86 */

@@ -1,0 +1,151 @@
+/* Shared by the Adam dispatch and the per-ISA kernels; not part of the cffi API. */
+#ifndef OFL_ADAM_INTERNAL_H
+#define OFL_ADAM_INTERNAL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ofl_adam.h"
+
+/* Per-tensor constants of one step, derived once in double and rounded to float.
+ *   g' = g * grad_scale + l2_decay * p
+ *   m  = beta1 * m + (1 - beta1) * g'
+ *   v  = beta2 * v + (1 - beta2) * g'^2
+ *   p  = p * decay_mul - step_size * m / (sqrt(v) * inv_bias2_sqrt + eps)
+ * which is torch.optim.Adam (l2_decay = wd, decay_mul = 1) or AdamW
+ * (l2_decay = 0, decay_mul = 1 - lr * wd), with step_size = lr / (1 - beta1^t)
+ * and inv_bias2_sqrt = 1 / sqrt(1 - beta2^t) when bias correction is on. */
+typedef struct {
+    float beta1, one_minus_beta1;
+    float beta2, one_minus_beta2;
+    float eps;
+    float step_size;
+    float inv_bias2_sqrt;
+    float decay_mul;
+    float l2_decay;
+    float grad_scale;
+} ofl_adam_coeffs;
+
+/* A kernel updates n elements of one tensor and returns 1 if a scaled gradient
+ * was not finite. grad_dtype/out_dtype are OFL_DTYPE_* values. */
+typedef int32_t (*ofl_adam_kernel_fn)(const ofl_adam_coeffs *c, int32_t grad_dtype,
+                                      int32_t out_dtype, float *p, const void *g, float *m,
+                                      float *v, void *out, int64_t n);
+
+/* Sum of squares of n gradient elements, added to *acc. */
+typedef void (*ofl_sumsq_kernel_fn)(int32_t dtype, const void *g, int64_t n, double *acc);
+
+int32_t ofl_adam_kernel_scalar(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                               float *p, const void *g, float *m, float *v, void *out,
+                               int64_t n);
+void ofl_sumsq_kernel_scalar(int32_t dtype, const void *g, int64_t n, double *acc);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define OFL_HAVE_X86 1
+int32_t ofl_adam_kernel_avx2(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                             float *p, const void *g, float *m, float *v, void *out, int64_t n);
+int32_t ofl_adam_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                               float *p, const void *g, float *m, float *v, void *out,
+                               int64_t n);
+void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc);
+void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc);
+#else
+#define OFL_HAVE_X86 0
+#endif
+
+/* ---- scalar conversions, used by the scalar path and by the vector tails ---- */
+
+static inline float ofl_bits_to_f32(uint32_t x) {
+    float f;
+    memcpy(&f, &x, sizeof f);
+    return f;
+}
+
+static inline uint32_t ofl_f32_to_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    return x;
+}
+
+static inline float ofl_bf16_to_f32(uint16_t h) { return ofl_bits_to_f32((uint32_t)h << 16); }
+
+/* Round to nearest even; NaN stays a (quiet) NaN. */
+static inline uint16_t ofl_f32_to_bf16(float f) {
+    uint32_t x = ofl_f32_to_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x0040u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+static inline float ofl_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    if (exp == 0x1fu) return ofl_bits_to_f32(sign | 0x7f800000u | (mant << 13));
+    if (exp != 0) return ofl_bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+    /* zero or subnormal: mant * 2^-24, exact in float */
+    float f = (float)mant * 5.9604644775390625e-08f;
+    return ofl_bits_to_f32(ofl_f32_to_bits(f) | sign);
+}
+
+/* Round to nearest even, overflow to inf, subnormals kept, NaN stays NaN. */
+static inline uint16_t ofl_f32_to_f16(float f) {
+    uint32_t x = ofl_f32_to_bits(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+    if (ax >= 0x38800000u) {                                  /* normal in fp16 */
+        uint32_t r = ax - 0x38000000u;                        /* rebias 127 -> 15 */
+        r += 0xfffu + ((r >> 13) & 1u);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    if (ax < 0x33000000u) return sign; /* below half the smallest subnormal */
+    uint32_t e = ax >> 23;
+    uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126u - e; /* 14..24 */
+    uint32_t q = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+static inline float ofl_load_grad1(int32_t dtype, const void *g, int64_t i) {
+    switch (dtype) {
+    case OFL_DTYPE_BF16: return ofl_bf16_to_f32(((const uint16_t *)g)[i]);
+    case OFL_DTYPE_F16: return ofl_f16_to_f32(((const uint16_t *)g)[i]);
+    default: return ((const float *)g)[i];
+    }
+}
+
+static inline void ofl_store_out1(int32_t dtype, void *out, int64_t i, float p) {
+    switch (dtype) {
+    case OFL_DTYPE_BF16: ((uint16_t *)out)[i] = ofl_f32_to_bf16(p); break;
+    case OFL_DTYPE_F16: ((uint16_t *)out)[i] = ofl_f32_to_f16(p); break;
+    case OFL_DTYPE_F32: ((float *)out)[i] = p; break;
+    default: break;
+    }
+}
+
+/* One element of the update; returns the scaled gradient so callers can test it. */
+static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtype,
+                                     int32_t out_dtype, float *p, const void *g, float *m,
+                                     float *v, void *out, int64_t i) {
+    float pi = p[i];
+    float gi = ofl_load_grad1(grad_dtype, g, i) * c->grad_scale;
+    float gs = gi;
+    gi = gi + c->l2_decay * pi;
+    float mi = c->beta1 * m[i] + c->one_minus_beta1 * gi;
+    float vi = c->beta2 * v[i] + c->one_minus_beta2 * gi * gi;
+    float denom = sqrtf(vi) * c->inv_bias2_sqrt + c->eps;
+    pi = pi * c->decay_mul - c->step_size * (mi / denom);
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi;
+    ofl_store_out1(out_dtype, out, i, pi);
+    return gs;
+}
+
+#endif /* OFL_ADAM_INTERNAL_H */

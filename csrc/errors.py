@@ -1,0 +1,32 @@
+"""One exception family for everything a user can cause.
+
+``OffloadError`` is the root. Subclasses say what went wrong; where a standard
+exception already means the same thing (a bad argument is a ``ValueError``), the
+subclass inherits from it too, so ``except ValueError`` keeps working. A C
+function's ``-errno`` becomes ``OSError(errno, strerror)`` through ``raise_errno``.
+"""
+from __future__ import annotations
+
+import os
+
+__all__ = ["OffloadError", "ConfigError", "BuildError", "raise_errno"]
+
+
+class OffloadError(Exception):
+    """Root of every error this project raises for something a user can cause."""
+
+
+class ConfigError(OffloadError, ValueError):
+    """A configuration value or argument is wrong; the message names it."""
+
+
+class BuildError(OffloadError, ImportError):
+    """The compiled C extension is missing or stale; the message says how to rebuild."""
+
+
+def raise_errno(rc: int, what: str) -> None:
+    """Raise ``OSError`` for a C return code ``rc`` (0 or ``-errno``); ``what`` names the call."""
+    if rc == 0:
+        return
+    err = -rc if rc < 0 else rc
+    raise OSError(err, f"{what}: {os.strerror(err)}")

@@ -1,0 +1,87 @@
+/* SIMD Adam / AdamW over many tensors in one call.
+ *
+ * This header is the declaration source for both the C and cffi's cdef: the
+ * build script strips the preprocessor lines (guards, includes) and keeps the
+ * integer #defines. Every function returns 0 or -errno and never exits.
+ *
+ * One call updates a whole set of tensors. The caller passes, per tensor, the
+ * addresses of its fp32 master params, gradient (fp32, bf16 or fp16), fp32 first
+ * and second moments, an optional low-precision output copy of the updated params,
+ * and a float32 step counter that the call increments. The tensors are treated as
+ * one virtual concatenation and split across threads in contiguous ranges, so 100
+ * small tensors cost what one large tensor of the same total costs.
+ */
+#ifndef OFL_ADAM_H
+#define OFL_ADAM_H
+
+#include <stdint.h>
+
+#define OFL_ADAM_ABI_VERSION 1
+
+/* Instruction-set paths. AUTO picks the best the CPU and OS support. */
+#define OFL_ISA_AUTO 0
+#define OFL_ISA_SCALAR 1
+#define OFL_ISA_AVX2 2
+#define OFL_ISA_AVX512 3
+
+/* Element types of gradients and of the optional param copy. */
+#define OFL_DTYPE_NONE -1
+#define OFL_DTYPE_F32 0
+#define OFL_DTYPE_BF16 1
+#define OFL_DTYPE_F16 2
+
+typedef struct {
+    float lr;
+    float beta1;
+    float beta2;
+    float eps;
+    float weight_decay;
+    int32_t adamw_mode;      /* 1: decoupled decay (AdamW); 0: L2 decay added to the gradient (Adam) */
+    int32_t bias_correction; /* 1: divide the moments by (1 - beta^step); 0: use them as they are */
+    float grad_scale;        /* every gradient is multiplied by this first (1/loss_scale * clip coefficient) */
+    int32_t grad_dtype;      /* OFL_DTYPE_F32, _BF16 or _F16 */
+    int32_t out_dtype;       /* OFL_DTYPE_NONE, or _BF16 / _F16 / _F32 for the param copy */
+    int32_t isa;             /* OFL_ISA_* */
+    int32_t num_threads;     /* >= 1 */
+} ofl_adam_config;
+
+/* Struct of arrays, `count` entries each; addresses as uint64_t so that Python can
+ * fill them from plain integer arrays. param_out may be NULL when out_dtype is NONE. */
+typedef struct {
+    const uint64_t *param;      /* float32 *, updated in place */
+    const uint64_t *grad;       /* grad_dtype *, read only */
+    const uint64_t *exp_avg;    /* float32 *, updated in place */
+    const uint64_t *exp_avg_sq; /* float32 *, updated in place */
+    const uint64_t *param_out;  /* out_dtype *, written; or NULL */
+    const uint64_t *step;       /* float32 * (one value), incremented by one before use */
+    const int64_t *numel;       /* elements of tensor i, >= 0 */
+    int64_t count;
+} ofl_adam_tensors;
+
+int32_t ofl_adam_abi_version(void);
+
+/* 1 if this CPU and OS can run that path, else 0. */
+int32_t ofl_adam_isa_supported(int32_t isa);
+
+/* The path OFL_ISA_AUTO resolves to. */
+int32_t ofl_adam_best_isa(void);
+
+/* One Adam step over every tensor of `tensors`. *nonfinite_out is set to 1 if any
+ * scaled gradient was inf or NaN (the update has then already used it: call
+ * ofl_grad_sumsq first where a step must be skipped on overflow), else 0.
+ * -EINVAL: bad dtype, count, numel, thread count or NULL address; -ENOTSUP: the
+ * isa cannot run here; -ENOMEM. Nothing is modified when an error is returned. */
+int32_t ofl_adam_step(const ofl_adam_config *config, const ofl_adam_tensors *tensors,
+                      int32_t *nonfinite_out);
+
+/* Sum of squares, in double, of `count` gradient buffers of one dtype. A result
+ * that is inf or NaN means some gradient was not finite. */
+int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t count,
+                       int32_t dtype, int32_t isa, int32_t num_threads, double *sumsq_out);
+
+/* Roofline probe with Adam's memory traffic: a += b; c += b; d += b, in place over
+ * n floats (reads 16 bytes and writes 12 per element, as Adam does). */
+int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t n,
+                           int32_t num_threads);
+
+#endif /* OFL_ADAM_H */
