@@ -122,6 +122,9 @@ class CPUAdam(torch.optim.Optimizer):
                     continue
                 if grad.is_sparse:
                     raise ConfigError("CPUAdam does not support sparse gradients")
+                if p.dtype != torch.float32:
+                    raise ConfigError(f"CPUAdam updates float32 params; got a {p.dtype} param of "
+                                      f"shape {tuple(p.shape)} (keep a float32 master copy)")
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)

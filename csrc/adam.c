@@ -157,16 +157,16 @@ static void step_coeffs(const ofl_adam_config *cfg, float *step, ofl_adam_coeffs
     double t = *step;
     double bc1 = cfg->bias_correction ? 1.0 - pow(cfg->beta1, t) : 1.0;
     double bc2 = cfg->bias_correction ? 1.0 - pow(cfg->beta2, t) : 1.0;
-    c->beta1 = cfg->beta1;
-    c->one_minus_beta1 = (float)(1.0 - (double)cfg->beta1);
-    c->beta2 = cfg->beta2;
-    c->one_minus_beta2 = (float)(1.0 - (double)cfg->beta2);
-    c->eps = cfg->eps;
-    c->step_size = (float)((double)cfg->lr / bc1);
+    c->beta1 = (float)cfg->beta1;
+    c->one_minus_beta1 = (float)(1.0 - cfg->beta1);
+    c->beta2 = (float)cfg->beta2;
+    c->one_minus_beta2 = (float)(1.0 - cfg->beta2);
+    c->eps = (float)cfg->eps;
+    c->step_size = (float)(cfg->lr / bc1);
     c->inv_bias2_sqrt = (float)(1.0 / sqrt(bc2));
-    c->decay_mul = cfg->adamw_mode ? (float)(1.0 - (double)cfg->lr * cfg->weight_decay) : 1.0f;
-    c->l2_decay = cfg->adamw_mode ? 0.0f : cfg->weight_decay;
-    c->grad_scale = cfg->grad_scale;
+    c->decay_mul = cfg->adamw_mode ? (float)(1.0 - cfg->lr * cfg->weight_decay) : 1.0f;
+    c->l2_decay = cfg->adamw_mode ? 0.0f : (float)cfg->weight_decay;
+    c->grad_scale = (float)cfg->grad_scale;
 }
 
 int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,

@@ -136,7 +136,7 @@ static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtyp
     float pi = p[i];
     float gi = ofl_load_grad1(grad_dtype, g, i) * c->grad_scale;
     float gs = gi;
-    gi = gi + c->l2_decay * pi;
+    if (c->l2_decay != 0.0f) gi = gi + c->l2_decay * pi; /* 0 * inf would be NaN */
     float mi = c->beta1 * m[i] + c->one_minus_beta1 * gi;
     float vi = c->beta2 * v[i] + c->one_minus_beta2 * gi * gi;
     float denom = sqrtf(vi) * c->inv_bias2_sqrt + c->eps;
