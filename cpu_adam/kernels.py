@@ -46,11 +46,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise BuildError(f"the compiled Adam kernels (csrc._adam) are missing: {exc}; {_REBUILD}") from exc
 
-if lib.ofl_adam_abi_version() != ABI_VERSION:  # pragma: no cover - stale build
-    raise BuildError(
-        f"csrc._adam is a stale build (ABI {lib.ofl_adam_abi_version()}, "
-        f"this code needs {ABI_VERSION}); {_REBUILD}"
-    )
+
+
+def check_build(built_abi: int) -> None:
+    """Raise BuildError unless the compiled library is the ABI this code was written for."""
+    if built_abi != ABI_VERSION:
+        raise BuildError(f"csrc._adam is a stale build (ABI {built_abi}, this code needs "
+                         f"{ABI_VERSION}); {_REBUILD}")
+
+
+check_build(lib.ofl_adam_abi_version())
 
 
 class Isa(enum.IntEnum):

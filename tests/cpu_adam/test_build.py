@@ -1,0 +1,33 @@
+"""The build: a stale library fails loudly, and the header is the one declaration source."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from cpu_adam import kernels
+from csrc import BuildError
+from csrc._adam import lib
+from csrc.cffi_header import cdef_text
+
+HEADER = pathlib.Path(kernels.__file__).resolve().parents[1] / "csrc" / "ofl_adam.h"
+
+
+def test_stale_build_names_the_fix():
+    kernels.check_build(kernels.ABI_VERSION)
+    with pytest.raises(BuildError, match=r"stale build \(ABI 0.*pip install -e \."):
+        kernels.check_build(0)
+    assert issubclass(BuildError, ImportError)
+
+
+def test_compiled_abi_matches_the_header():
+    declared = int(re.search(r"#define OFL_ADAM_ABI_VERSION (\d+)", HEADER.read_text()).group(1))
+    assert lib.ofl_adam_abi_version() == declared == kernels.ABI_VERSION
+
+
+def test_cdef_keeps_integer_defines_and_drops_other_preprocessor_lines():
+    text = cdef_text(HEADER)
+    kept = [line.strip() for line in text.splitlines() if line.strip().startswith("#")]
+    assert kept and all(re.match(r"#define \w+ -?\d+$", line) for line in kept)
+    assert "ofl_adam_step" in text and "/*" not in text
