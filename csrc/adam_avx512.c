@@ -61,7 +61,7 @@ OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, int l2, float *
     __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, tail), c->gscale);
     /* g * 0 is 0 for finite g and NaN otherwise; the sum keeps any NaN. */
     *bad = _mm512_add_ps(*bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
-    if (l2) gv = _mm512_fmadd_ps(c->l2, pv, gv); /* skipped at 0: 0 * inf would be NaN */
+    if (l2) gv = _mm512_fmadd_ps(c->l2, pv, gv);
     mv = _mm512_fmadd_ps(c->b1, mv, _mm512_mul_ps(c->omb1, gv));
     vv = _mm512_fmadd_ps(c->b2, vv, _mm512_mul_ps(_mm512_mul_ps(c->omb2, gv), gv));
     __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), c->ibc2, c->eps);
@@ -98,31 +98,7 @@ OFL_AI int32_t adam_loop16(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int
     return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
 }
 
-/* Each (grad, out) pair gets its own copy of the loop with the dtypes folded in. */
-#define OFL_OUT_CASES(GD, L2)                                                              \
-    switch (out_dtype) {                                                               \
-    case OFL_DTYPE_NONE: return adam_loop16(c, GD, OFL_DTYPE_NONE, L2, p, g, m, v, out, n); \
-    case OFL_DTYPE_F32: return adam_loop16(c, GD, OFL_DTYPE_F32, L2, p, g, m, v, out, n);   \
-    case OFL_DTYPE_BF16: return adam_loop16(c, GD, OFL_DTYPE_BF16, L2, p, g, m, v, out, n); \
-    default: return adam_loop16(c, GD, OFL_DTYPE_F16, L2, p, g, m, v, out, n);              \
-    }
-
-int32_t ofl_adam_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
-                               float *p, const void *g, float *m, float *v, void *out,
-                               int64_t n) {
-    if (c->l2_decay != 0.0f) {
-        switch (grad_dtype) {
-        case OFL_DTYPE_F32: OFL_OUT_CASES(OFL_DTYPE_F32, 1)
-        case OFL_DTYPE_BF16: OFL_OUT_CASES(OFL_DTYPE_BF16, 1)
-        default: OFL_OUT_CASES(OFL_DTYPE_F16, 1)
-        }
-    }
-    switch (grad_dtype) {
-    case OFL_DTYPE_F32: OFL_OUT_CASES(OFL_DTYPE_F32, 0)
-    case OFL_DTYPE_BF16: OFL_OUT_CASES(OFL_DTYPE_BF16, 0)
-    default: OFL_OUT_CASES(OFL_DTYPE_F16, 0)
-    }
-}
+OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx512, adam_loop16)
 
 OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
@@ -144,11 +120,5 @@ OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
     *acc += _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 
-void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc) {
-    switch (dtype) {
-    case OFL_DTYPE_F32: sumsq_loop16(OFL_DTYPE_F32, g, n, acc); break;
-    case OFL_DTYPE_BF16: sumsq_loop16(OFL_DTYPE_BF16, g, n, acc); break;
-    default: sumsq_loop16(OFL_DTYPE_F16, g, n, acc); break;
-    }
-}
+OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx512, sumsq_loop16)
 #endif /* OFL_HAVE_X86 */
