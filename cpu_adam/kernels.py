@@ -163,7 +163,10 @@ def _addresses(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | 
 
 def _explain(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | None,
              numels: Sequence[int] | None) -> None:
+    """Raise for the first tensor that fails a check (the slow path of the checks)."""
     for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            raise ConfigError(f"{what}[{i}] has layout {t.layout}; dense (strided) tensors are needed")
         if not t.is_cpu:
             raise ConfigError(f"{what}[{i}] is on {t.device}, expected a CPU tensor")
         if dtype is not None and t.dtype != dtype:
@@ -192,10 +195,28 @@ def _collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out):
     gdt = grads[0].dtype
     odt = params_out[0].dtype if params_out is not None else None
     cols: list[list[int]] = [[], [], [], [], [], []]
-    cp, cg, cm, cv, cs, co = cols
     numels: list[int] = []
     outs = params_out if params_out is not None else grads  # zip partner; unused without outs
-    for p, g, m, v, s, o in zip(params, grads, exp_avgs, exp_avg_sqs, steps, outs):
+    try:
+        _collect_into(cols, numels, f32, gdt, odt, zip(params, grads, exp_avgs, exp_avg_sqs, steps, outs))
+    except RuntimeError:  # e.g. a sparse tensor has no is_contiguous(); named below
+        pass
+    if len(numels) != len(params):  # name the first offender
+        want = [t.numel() for t in params]
+        _explain(params, "params", f32, None)
+        _explain(grads, "grads", gdt, want)
+        _explain(exp_avgs, "exp_avgs", f32, want)
+        _explain(exp_avg_sqs, "exp_avg_sqs", f32, want)
+        _explain(steps, "steps", f32, [1] * len(params))
+        _explain(params_out or [], "params_out", odt, want)
+        raise ConfigError("a tensor of this step failed the argument checks")  # not reached
+    return [array.array("Q", c) for c in cols], array.array("q", numels)
+
+
+def _collect_into(cols, numels, f32, gdt, odt, rows) -> None:
+    """The fast path of ``_collect``: stops at the first tensor that fails a check."""
+    cp, cg, cm, cv, cs, co = cols
+    for p, g, m, v, s, o in rows:
         n = p.numel()
         if not (p.dtype == f32 and m.dtype == f32 and v.dtype == f32 and s.dtype == f32
                 and g.dtype == gdt and p.is_cpu and g.is_cpu and m.is_cpu and v.is_cpu and s.is_cpu
@@ -213,15 +234,6 @@ def _collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out):
         cm.append(m.data_ptr())
         cv.append(v.data_ptr())
         cs.append(s.data_ptr())
-    if len(numels) != len(params):  # name the first offender
-        want = [t.numel() for t in params]
-        _explain(params, "params", f32, None)
-        _explain(grads, "grads", gdt, want)
-        _explain(exp_avgs, "exp_avgs", f32, want)
-        _explain(exp_avg_sqs, "exp_avg_sqs", f32, want)
-        _explain(steps, "steps", f32, [1] * len(params))
-        _explain(params_out or [], "params_out", odt, want)
-    return [array.array("Q", c) for c in cols], array.array("q", numels)
 
 
 def adam_step(
@@ -341,10 +353,8 @@ class AdamPlan:
             ok = False
         addrs = array.array("Q", [g.data_ptr() for g in grads]) if ok else None
         if not ok or array.array("q", [g.numel() for g in grads]) != self._numels:
-            for i, g in enumerate(grads):
-                if g.is_sparse:
-                    raise ConfigError(f"grads[{i}] is sparse; CPUAdam needs dense gradients")
             _explain(grads, "grads", gdt, self._numels)
+            raise ConfigError("a gradient failed the argument checks")  # not reached
         return _call_adam(config, grad_scale, code, lib.OFL_DTYPE_NONE,
                           [self._addrs[0], addrs, *self._addrs[1:]], None, self._numels)
 

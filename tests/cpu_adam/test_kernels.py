@@ -168,6 +168,8 @@ def test_bad_arguments_name_what_is_wrong():
         adam_step([torch.zeros(8, 2).t()[0]], [g], [m], [v], [s], config=cfg)
     with pytest.raises(ConfigError, match=r"steps has 2 tensors, params has 1"):
         adam_step([p], [g], [m], [v], [s, s], config=cfg)
+    with pytest.raises(ConfigError, match=r"grads\[0\] has layout torch.sparse_coo"):
+        adam_step([p], [g.to_sparse()], [m], [v], [s], config=cfg)
     with pytest.raises(ConfigError, match=r"grads have dtype torch.int32"):
         adam_step([p], [g.int()], [m], [v], [s], config=cfg)
     with pytest.raises(ConfigError, match="beta2 must be in"):
