@@ -174,3 +174,27 @@ def test_closure_and_group_keys():
     ref.step()
     torch.testing.assert_close(p, ref_p)
     copy.deepcopy(opt.state_dict())  # plain data, copyable
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_param_groups_each_match_the_float64_reference(isa):
+    from tests.cpu_adam.reference import reference_steps
+
+    sizes = [17, 1000003, 15]
+    groups = [dict(lr=1e-2, weight_decay=0.1, adamw_mode=True, bias_correction=True),
+              dict(lr=3e-3, weight_decay=0.05, adamw_mode=False, bias_correction=True),
+              dict(lr=1e-3, weight_decay=0.0, adamw_mode=True, bias_correction=False)]
+    params = _params(sizes, seed=4)
+    start = [p.clone() for p in params]
+    opt = CPUAdam([{"params": [p], **g} for p, g in zip(params, groups)], isa=isa)
+    gen = torch.Generator().manual_seed(9)
+    history = [[] for _ in sizes]
+    for _ in range(20):
+        for p, h in zip(params, history):
+            p.grad = torch.randn(p.shape, generator=gen)
+            h.append(p.grad.clone())
+        opt.step()
+    for p, p0, h, g in zip(params, start, history, groups):
+        ref_p, _, _ = reference_steps(p0, torch.zeros_like(p0), torch.zeros_like(p0), h, beta1=0.9,
+                                      beta2=0.999, eps=1e-8, **g)
+        torch.testing.assert_close(p.double(), ref_p, rtol=2e-5, atol=2e-6)
