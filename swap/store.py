@@ -214,6 +214,11 @@ class TierStore:
         with self._lock:
             return self._info(self._get(name))
 
+    def placements(self, name: str) -> list[Placement]:
+        """Where the region's NVMe copy lives (empty if it has none yet): for tools and tests."""
+        with self._lock:
+            return list(self._get(name).placements or [])
+
     def names(self) -> list[str]:
         with self._lock:
             return list(self._regions)

@@ -1,0 +1,249 @@
+"""TierStore: states, the dirty rule, bytes on disk against Python reads, stats, sharing."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from csrc import ConfigError, TierFullError
+from swap import (HostPool, HostPoolConfig, SwapSpace, SwapSpaceConfig, Tier, TierStore, TierStoreConfig)
+
+from tests.swap.conftest import make_engine
+
+LENGTHS = [1, 4095, 4096, 4097, (1 << 20) + 3, 64 << 20]
+
+
+def _make_store(engine, dirs, *, host_bytes=160 << 20, swap_bytes=192 << 20, **config):
+    pool = HostPool(HostPoolConfig(capacity_bytes=host_bytes))
+    space = SwapSpace(SwapSpaceConfig(paths=[str(d) for d in dirs], capacity_bytes=swap_bytes,
+                                      stripe_bytes=256 << 10), engine=engine)
+    store = TierStore(TierStoreConfig(chunk_bytes=1 << 20, **config), pool=pool, space=space, engine=engine)
+    return store, pool, space
+
+
+@pytest.fixture(params=[1, 3], ids=["one_path", "striped_3"])
+def store(request, engine, tmp_path):
+    dirs = [tmp_path / f"d{i}" for i in range(request.param)]
+    for d in dirs:
+        d.mkdir()
+    s, pool, space = _make_store(engine, dirs)
+    yield s
+    s.close()
+    space.close()
+    pool.close()
+
+
+def _fill(store, lengths, prefix="r"):
+    data = {}
+    for i, n in enumerate(lengths):
+        name = f"{prefix}{i}"
+        store.allocate(name, n)
+        payload = os.urandom(n)
+        store.host_view(name)[:] = payload
+        data[name] = payload
+    return data
+
+
+def _read_from_disk(store, name, nbytes):
+    """The region's bytes as plain Python file reads see them, placement by placement."""
+    out = bytearray()
+    for p in store.placements(name):
+        with open(store.space.files[p.file_index].path, "rb") as f:
+            f.seek(p.file_offset)
+            out += f.read(p.nbytes)
+    return bytes(out[:nbytes])
+
+
+def test_evicted_bytes_read_back_with_python_and_prefetch(store):
+    data = _fill(store, LENGTHS)  # back to back: extents abut, chunks cross stripe and block boundaries
+    store.wait_for_evict(store.evict(list(data)))
+    for name, payload in data.items():
+        assert store.info(name).tier == Tier.NVME
+        assert _read_from_disk(store, name, len(payload)) == payload, name
+    store.wait_for_prefetch(store.prefetch(list(data)))
+    for name, payload in data.items():
+        assert store.info(name).tier == Tier.HOST_AND_NVME
+        assert bytes(store.host_view(name)) == payload, name
+
+
+def test_python_written_swap_bytes_are_what_prefetch_returns(engine, tmp_path):
+    store, pool, space = _make_store(engine, [tmp_path], checksum="none")
+    try:
+        data = _fill(store, LENGTHS)
+        store.wait_for_evict(store.evict(list(data)))
+        fresh = {}
+        for name, payload in data.items():  # overwrite each region on disk with plain Python writes
+            new = os.urandom(len(payload))
+            fresh[name] = new
+            pos = 0
+            for p in store.placements(name):
+                with open(space.files[p.file_index].path, "r+b") as f:
+                    f.seek(p.file_offset)
+                    f.write(new[pos:pos + p.nbytes])
+                    f.flush()
+                    os.fsync(f.fileno())
+                pos += p.nbytes
+        store.wait_for_prefetch(store.prefetch(list(data)))
+        for name, new in fresh.items():
+            assert bytes(store.host_view(name)) == new, name
+    finally:
+        store.close()
+        space.close()
+        pool.close()
+
+
+def test_states_and_the_dirty_rule(store):
+    store.allocate("a", 10_000)
+    store.host_view("a")[:] = b"\x01" * 10_000
+    assert store.info("a").tier == Tier.HOST
+    h = store.evict(["a"])
+    assert store.info("a").tier == Tier.IN_FLIGHT
+    with pytest.raises(ConfigError, match="'a' has no host copy.*in_flight"):
+        store.host_view("a")
+    store.wait_for_evict(h)
+    info = store.info("a")
+    assert (info.tier, info.segment_index, info.offset) == (Tier.NVME, None, None)
+    with pytest.raises(ConfigError, match="prefetch it"):
+        store.host_view("a")
+    store.wait_for_prefetch(store.prefetch(["a"]))
+    written = store.engine.stats()["bytes_written"]
+    store.wait_for_evict(store.evict(["a"]))  # clean: nothing to write
+    assert store.engine.stats()["bytes_written"] == written
+    assert store.info("a").tier == Tier.NVME
+    store.wait_for_prefetch(store.prefetch(["a"]))
+    store.host_view("a")[:3] = b"xyz"
+    store.mark_dirty("a")
+    assert store.info("a").tier == Tier.HOST
+    store.wait_for_evict(store.evict(["a"]))
+    assert store.engine.stats()["bytes_written"] == written + 12288
+    store.wait_for_prefetch(store.prefetch(["a"]))
+    assert bytes(store.host_view("a")[:4]) == b"xyz\x01"
+
+
+def test_stats_follow_the_tiers(store):
+    store.allocate("a", 1 << 20)
+    store.allocate("b", 3 << 20)
+    s = store.stats()
+    assert (s.regions, s.host_bytes, s.nvme_bytes, s.dirty_bytes) == (2, 4 << 20, 0, 4 << 20)
+    assert s.host_pool_used_bytes == 4 << 20
+    h = store.evict(["b"])
+    assert store.stats().in_flight_bytes == 3 << 20
+    store.wait_for_evict(h)
+    s = store.stats()
+    assert (s.host_bytes, s.nvme_bytes, s.in_flight_bytes) == (1 << 20, 3 << 20, 0)
+    assert s.swap_used_bytes == 3 << 20 and s.host_pool_used_bytes == 1 << 20
+    assert s.bytes_written_total == 3 << 20 and s.write_bandwidth_bytes_per_second > 0
+    assert s.engine == store.engine.name
+    store.free("b")
+    store.free("a")
+    s = store.stats()
+    assert (s.regions, s.swap_used_bytes, s.host_pool_used_bytes) == (0, 0, 0)
+
+
+def test_flush_writes_dirty_regions_and_keeps_host_copies(store):
+    data = _fill(store, [5000, 70_000])
+    store.flush()
+    for name, payload in data.items():
+        assert store.info(name).tier == Tier.HOST_AND_NVME
+        assert _read_from_disk(store, name, len(payload)) == payload
+
+
+def test_free_while_in_flight_waits_then_releases(store):
+    _fill(store, [8 << 20])
+    store.evict(["r0"])
+    store.free("r0")
+    assert store.stats().swap_used_bytes == 0 and store.stats().host_pool_used_bytes == 0
+    with pytest.raises(ConfigError, match="no region named 'r0'"):
+        store.info("r0")
+
+
+def test_verb_on_a_pending_region_settles_it_first(store):
+    data = _fill(store, [2 << 20])
+    h = store.evict(["r0"])
+    h2 = store.prefetch(["r0"])  # waits for the evict, then reads it back
+    store.wait_for_evict(h)
+    store.wait_for_prefetch(h2)
+    assert bytes(store.host_view("r0")) == data["r0"]
+
+
+def test_prefetch_without_host_room_changes_nothing(engine, tmp_path):
+    store, pool, space = _make_store(engine, [tmp_path], host_bytes=1 << 20)
+    try:
+        data = _fill(store, [1 << 20])
+        store.wait_for_evict(store.evict(["r0"]))
+        store.allocate("hog", 4096)
+        with pytest.raises(TierFullError, match="prefetch of region 'r0'"):
+            store.prefetch(["r0"])
+        assert store.info("r0").tier == Tier.NVME
+        store.free("hog")
+        store.wait_for_prefetch(store.prefetch(["r0"]))
+        assert bytes(store.host_view("r0")) == data["r0"]
+    finally:
+        store.close()
+        space.close()
+        pool.close()
+
+
+def test_timeout_leaves_the_transfer_running(tmp_path):
+    with make_engine("threads", block_size_bytes=4096, queue_depth=1, num_threads=1) as engine:
+        store, pool, space = _make_store(engine, [tmp_path])
+        try:
+            data = _fill(store, [32 << 20])
+            h = store.evict(["r0"])
+            with pytest.raises(TimeoutError, match="r0"):
+                store.wait_for_evict(h, timeout_seconds=0)
+            store.wait_for_evict(h)
+            store.wait_for_prefetch(store.prefetch(["r0"]))
+            assert bytes(store.host_view("r0")) == data["r0"]
+        finally:
+            store.close()
+            space.close()
+            pool.close()
+
+
+def test_wrong_handle_and_names_are_config_errors(store):
+    store.allocate("a", 4096)
+    h = store.evict(["a"])
+    with pytest.raises(ConfigError, match="prefetch"):
+        store.wait_for_prefetch(h)
+    store.wait_for_evict(h)
+    with pytest.raises(ConfigError, match="already exists"):
+        store.allocate("a", 1)
+    with pytest.raises(ConfigError, match="no region named 'zz'"):
+        store.prefetch(["zz"])
+    with pytest.raises(ConfigError, match="nbytes"):
+        store.allocate("b", 0)
+
+
+def test_two_stores_share_one_space_and_engine(engine, tmp_path):
+    space = SwapSpace(SwapSpaceConfig(paths=[str(tmp_path)], capacity_bytes=8 << 20), engine=engine)
+    pools = [HostPool(HostPoolConfig(capacity_bytes=4 << 20)) for _ in range(2)]
+    stores = [TierStore(TierStoreConfig(), pool=p, space=space, engine=engine) for p in pools]
+    try:
+        payloads = []
+        for s in stores:
+            s.allocate("x", 3 << 20)
+            payloads.append(os.urandom(3 << 20))
+            s.host_view("x")[:] = payloads[-1]
+        for s in stores:
+            s.wait_for_evict(s.evict(["x"]))
+        assert space.used_bytes == 6 << 20
+        for s, payload in zip(stores, payloads):
+            s.wait_for_prefetch(s.prefetch(["x"]))
+            assert bytes(s.host_view("x")) == payload
+    finally:
+        for s in stores:
+            s.close()
+        space.close()
+        for p in pools:
+            p.close()
+
+
+def test_create_owns_its_parts(tmp_path):
+    store = TierStore.create(host_capacity_bytes=4 << 20, swap_paths=[str(tmp_path)], swap_capacity_bytes=4 << 20)
+    path = store.space.files[0].path
+    store.allocate("a", 100)
+    store.close()
+    assert not os.path.exists(path)
+    with pytest.raises(ConfigError, match="closed"):
+        store.info("a")
