@@ -1,0 +1,297 @@
+"""Swap bench: our I/O engines against fio on the same file, and TierStore against the raw engine.
+
+Run it under the shared bench lock (the machine is shared; bandwidth is noisy):
+
+    flock /tmp/ofl-bench.lock .venv/bin/python tools/bench/bench_swap.py --out tools/bench/results/swap_<hw>_<yyyymm>.md
+
+What it measures, each point in every round, the peers interleaved in a rotating order:
+- read and write GB/s of one ``--measure-mib`` transfer with O_DIRECT, for every block
+  size x queue depth (1 submitting thread), then for 1-4 submitting threads at one
+  block size and depth: fio (libaio; io_uring too with --fio-io-uring), our Linux AIO
+  engine, our thread-pool engine. fio runs ``numjobs`` = threads, each job on its own
+  slice of the same file, so every peer moves the same bytes of the same file.
+- the TierStore pipeline (evict of dirty regions, then prefetch, checksums on and off)
+  against the raw engine moving the same bytes with the same engine config.
+Figures are medians over ``--rounds`` rounds; ratios are ours / fio's at the same point.
+Page cache needs no dropping: every transfer is O_DIRECT.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from swap import (HostPool, HostPoolConfig, IoEngineConfig, SwapSpace, SwapSpaceConfig,  # noqa: E402
+                  TierStore, TierStoreConfig, open_engine)
+from swap import aio  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def parse_sizes(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = MIB if part.endswith("m") else KIB if part.endswith("k") else 1
+        out.append(int(part.rstrip("mk")) * mult)
+    return out
+
+
+def size_label(n: int) -> str:
+    return f"{n // MIB}M" if n % MIB == 0 else f"{n // KIB}K"
+
+
+def fio_gbps(path: str, rw: str, bs: int, qd: int, threads: int, nbytes: int, engine: str) -> float:
+    """fio's bandwidth (GB/s, 1e9) for the same bytes of the same file, O_DIRECT."""
+    share = nbytes // threads
+    cmd = ["fio", "--name=peer", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}",
+           f"--numjobs={threads}", f"--size={share}", f"--offset_increment={share}", "--offset=0",
+           "--direct=1", f"--ioengine={engine}", "--group_reporting", "--output-format=json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
+    return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
+
+
+class RawPeer:
+    """One of our engines moving one transfer between a pool segment and the file."""
+
+    def __init__(self, kind: str, fd: int, pool: HostPool, nbytes: int) -> None:
+        self.kind, self.fd, self.pool, self.nbytes = kind, fd, pool, nbytes
+        self.engine = None
+        self.key = None
+
+    def gbps(self, rw: str, bs: int, qd: int, threads: int) -> float:
+        key = (bs, qd, threads)
+        if key != self.key:
+            if self.engine is not None:
+                self.engine.close()
+            self.engine = open_engine(IoEngineConfig(kind=self.kind, block_size_bytes=bs, queue_depth=qd,
+                                                     num_threads=threads))
+            self.key = key
+        op = aio.OP_READ if rw == "read" else aio.OP_WRITE
+        t0 = time.perf_counter()
+        self.engine.submit(op, self.fd, self.pool.segments[0].address, self.nbytes, 0).check()
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def prepare_file(path: str, nbytes: int, pool: HostPool) -> int:
+    """Create the test file and write every byte once (reads of unwritten extents touch no disk)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    os.posix_fallocate(fd, 0, nbytes)
+    view = pool.segments[0].view(0, pool.segments[0].nbytes)
+    view[:] = os.urandom(len(view))
+    del view
+    with open_engine(IoEngineConfig(kind="auto", queue_depth=16)) as e:
+        for off in range(0, nbytes, pool.segments[0].nbytes):
+            n = min(pool.segments[0].nbytes, nbytes - off)
+            e.submit(aio.OP_WRITE, fd, pool.segments[0].address, n, off).check()
+    os.fsync(fd)
+    return fd
+
+
+def run_grid(points, peers, rounds, log) -> dict:
+    """{(point, peer): [GB/s per round]} with the peers' order rotating every point and round."""
+    results: dict = {}
+    names = list(peers)
+    for rnd in range(rounds):
+        t0 = time.monotonic()
+        for i, point in enumerate(points):
+            order = names[(i + rnd) % len(names):] + names[:(i + rnd) % len(names)]
+            for name in order:
+                results.setdefault((point, name), []).append(peers[name](*point))
+        log(f"round {rnd + 1}/{rounds}: {len(points)} points in {time.monotonic() - t0:.0f} s")
+    return results
+
+
+def pipeline(args, engine_config: IoEngineConfig, path_dir: str, raw_fd: int, raw_pool: HostPool,
+             log) -> list[list[str]]:
+    """TierStore evict/prefetch of dirty regions vs the raw engine moving the same bytes of another file."""
+    region = args.region_mib * MIB
+    total = args.measure_mib * MIB
+    names = [f"r{i}" for i in range(total // region)]
+    samples: dict[str, list[float]] = {}
+
+    def timed(label: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        samples.setdefault(label, []).append(total / (time.perf_counter() - t0) / 1e9)
+
+    engine = open_engine(engine_config)
+    space = SwapSpace(SwapSpaceConfig(paths=[path_dir], capacity_bytes=total), engine=engine)
+    pool = HostPool(HostPoolConfig(capacity_bytes=total + region))
+    try:
+        for c in ("crc32c", "none"):  # one store at a time: each fills the swap space
+            store = TierStore(TierStoreConfig(checksum=c, chunk_bytes=args.chunk_mib * MIB), pool=pool,
+                              space=space, engine=engine)
+            for n in names:
+                store.allocate(n, region)
+                store.host_view(n)[:] = os.urandom(region)
+            store.wait_for_evict(store.evict(names))
+            for _ in range(args.rounds):
+                timed(f"store {c} prefetch", lambda: store.wait_for_prefetch(store.prefetch(names)))
+                for n in names:
+                    store.mark_dirty(n)
+                timed(f"store {c} evict", lambda: store.wait_for_evict(store.evict(names)))
+                address = raw_pool.segments[0].address
+                timed("raw read", lambda: engine.submit(aio.OP_READ, raw_fd, address, total, 0).check())
+                timed("raw write", lambda: engine.submit(aio.OP_WRITE, raw_fd, address, total, 0).check())
+            log(f"pipeline (checksum {c}): done")
+            store.close()
+    finally:
+        space.close()
+        pool.close()
+        engine.close()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    rows = []
+    for c in ("crc32c", "none"):
+        for verb, raw in (("prefetch", "raw read"), ("evict", "raw write")):
+            label = f"store {c} {verb}"
+            rows.append([f"TierStore {verb}, checksum {c}", f"{med[label]:.2f}", f"{med[raw]:.2f}",
+                         f"{med[label] / med[raw]:.2f}", spread(samples[label])])
+    return rows
+
+
+def spread(v: list[float]) -> str:
+    return f"{min(v):.2f}-{max(v):.2f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the file system under test")
+    ap.add_argument("--measure-mib", type=int, default=256, help="bytes per measurement (and file size)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block-sizes", default="128k,512k,1m,4m,8m")
+    ap.add_argument("--queue-depths", default="1,4,16,64")
+    ap.add_argument("--threads", default="1,2,4", help="submitting threads for the thread sweep")
+    ap.add_argument("--thread-sweep-point", default="1m,16", help="block size,queue depth of the thread sweep")
+    ap.add_argument("--region-mib", type=int, default=64, help="TierStore region size")
+    ap.add_argument("--chunk-mib", type=int, default=8, help="TierStore chunk_bytes")
+    ap.add_argument("--pipeline-engine", default="1m,32,1", help="block size,queue depth,threads of the pipeline")
+    ap.add_argument("--fio-io-uring", action="store_true", help="also run fio with io_uring")
+    ap.add_argument("--out", help="also write the markdown report here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    log = lambda msg: print(f"[bench_swap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    nbytes = args.measure_mib * MIB
+    work = tempfile.mkdtemp(prefix="ofl-bench-swap-", dir=args.dir)
+    path = os.path.join(work, "data.bin")
+    pool = HostPool(HostPoolConfig(capacity_bytes=nbytes))
+    fio = shutil.which("fio")
+    kinds = ["linux_aio", "threads"] if not aio.linux_aio_errno() else ["threads"]
+    started = datetime.datetime.now(datetime.timezone.utc)
+    fd = prepare_file(path, nbytes, pool)
+    raw = {k: RawPeer(k, fd, pool, nbytes) for k in kinds}
+    try:
+        peers = {}
+        if fio:
+            peers["fio libaio"] = lambda rw, bs, qd, t: fio_gbps(path, rw, bs, qd, t, nbytes, "libaio")
+            if args.fio_io_uring:
+                peers["fio io_uring"] = lambda rw, bs, qd, t: fio_gbps(path, rw, bs, qd, t, nbytes, "io_uring")
+        for k, peer in raw.items():
+            peers[f"ours {k}"] = peer.gbps
+        grid = [(rw, bs, qd, 1) for bs in parse_sizes(args.block_sizes)
+                for qd in [int(q) for q in args.queue_depths.split(",")] for rw in ("read", "write")]
+        sbs, sqd = args.thread_sweep_point.split(",")
+        sweep = [(rw, parse_sizes(sbs)[0], int(sqd), int(t)) for t in args.threads.split(",") for rw in ("read", "write")]
+        points = grid + [p for p in sweep if p not in grid]
+        log(f"{len(points)} points x {len(peers)} peers x {args.rounds} rounds on {path}")
+        results = run_grid(points, peers, args.rounds, log)
+        med = {k: statistics.median(v) for k, v in results.items()}
+
+        pbs, pqd, pt = args.pipeline_engine.split(",")
+        pipe_cfg = IoEngineConfig(kind=kinds[0], block_size_bytes=parse_sizes(pbs)[0], queue_depth=int(pqd),
+                                  num_threads=int(pt))
+        pipe_rows = pipeline(args, pipe_cfg, work, fd, pool, log)
+    finally:
+        for peer in raw.values():
+            peer.close()
+        os.close(fd)
+        pool.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    ours = [p for p in peers if p.startswith("ours")]
+    fios = [p for p in peers if p.startswith("fio")]
+    head = ["rw", "block", "QD", "threads"] + [f"{p} GB/s" for p in peers]
+    head += [f"{o.split()[1]} / fio libaio" for o in ours] if fio else []
+    rows = []
+    for point in points:
+        rw, bs, qd, t = point
+        row = [rw, size_label(bs), str(qd), str(t)]
+        row += [f"{med[(point, p)]:.2f} ({spread(results[(point, p)])})" for p in peers]
+        if fio:
+            row += [f"{med[(point, o)] / med[(point, 'fio libaio')]:.2f}" for o in ours]
+        rows.append(row)
+
+    summary = []
+    for rw in ("read", "write"):
+        pts = [p for p in points if p[0] == rw]
+        for name in ours + fios:
+            best = max(pts, key=lambda p: med[(p, name)])
+            line = [rw, name, f"{med[(best, name)]:.2f}", f"{size_label(best[1])} QD{best[2]} T{best[3]}"]
+            if fio:
+                same = med[(best, "fio libaio")]
+                fio_best = max(med[(p, "fio libaio")] for p in pts)
+                line += [f"{med[(best, name)] / same:.2f}", f"{med[(best, name)] / fio_best:.2f}"]
+            summary.append(line)
+
+    fio_line = (f"fio: {subprocess.run(['fio', '--version'], capture_output=True, text=True).stdout.strip()}, "
+                f"run in this same bench run on the same file" if fio else
+                "fio: NOT FOUND on PATH; no peer figures (install fio: apt-get install fio)")
+    fs = subprocess.run(["df", "-T", args.dir], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    report = "\n".join([
+        f"# Swap bench: {platform.node()} ({os.cpu_count()} CPUs), {started:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"- command: `{' '.join(sys.argv)}`",
+        f"- kernel {platform.release()}; file system under test: `{fs}`",
+        f"- {fio_line}; engines: {', '.join(kinds)}; crc32c in hardware: {aio.crc32c_hardware()}",
+        f"- each measurement moves {args.measure_mib} MiB with O_DIRECT; medians of {args.rounds} rounds "
+        f"(min-max in brackets); GB/s = 1e9 bytes/s; peers interleaved in a rotating order",
+        "",
+        "## Best of each engine (ratio to fio libaio at the same block size / QD / threads, and to fio's best)",
+        "",
+        table(["rw", "engine", "best GB/s", "at", "/ fio same point", "/ fio best"] if fio else
+              ["rw", "engine", "best GB/s", "at"], summary),
+        "",
+        "## TierStore pipeline against the raw engine "
+        f"({args.region_mib} MiB regions, chunk {args.chunk_mib} MiB, engine {kinds[0]} {args.pipeline_engine})",
+        "",
+        table(["pipeline", "GB/s", "raw engine GB/s", "ratio", "min-max"], pipe_rows),
+        "",
+        "## Every point",
+        "",
+        table(head, rows),
+        "",
+    ])
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+        log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
