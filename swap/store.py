@@ -224,7 +224,10 @@ class TierStore:
             return list(self._regions)
 
     def host_view(self, name: str) -> memoryview:
-        """Writable view of the region's host copy (its logical bytes); an error if it has none."""
+        """Writable view of the region's host copy (its logical bytes); an error if it has none.
+
+        The view is valid until the region is evicted or freed: the memory then goes back to
+        the pool and may hold another region. Take a new view after each prefetch."""
         with self._lock:
             r = self._get(name)
             if r.tier not in (Tier.HOST, Tier.HOST_AND_NVME):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -72,13 +73,25 @@ class RegionTransfer:
             fd = space.files[c.file_index].fd
             self._requests.append(engine.submit(op, fd, host_address + c.region_offset, c.nbytes, c.file_offset))
         self._checked = 0  # chunks whose outcome has been looked at
+        self._wait_lock = threading.Lock()
 
     @property
     def padded_bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
     def wait(self, deadline: float | None) -> bool:
-        """Wait for every chunk (until ``deadline`` on time.monotonic()); True when all are done."""
+        """Wait for every chunk (until ``deadline`` on time.monotonic()); True when all are done.
+
+        Safe from several threads at once: they take turns, and each chunk is looked at once."""
+        timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._wait_lock.acquire(timeout=timeout):
+            return False
+        try:
+            return self._wait_locked(deadline)
+        finally:
+            self._wait_lock.release()
+
+    def _wait_locked(self, deadline: float | None) -> bool:
         while self._checked < len(self.chunks):
             i = self._checked
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())

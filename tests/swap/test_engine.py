@@ -95,7 +95,9 @@ def test_read_past_end_of_file_is_an_error_not_a_short_success(engine, tmp_path)
         with pytest.raises(OSError) as info:
             req.check()
         assert info.value.errno == errno.ENODATA
-        assert engine.stats()["requests_failed"] >= 1
+        stats = engine.stats()
+        assert stats["requests_failed"] >= 1
+        assert stats["short_transfers"] >= 1, "the short first read must have been continued, then failed"
     finally:
         os.close(fd)
 

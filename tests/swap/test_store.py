@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -163,6 +164,27 @@ def test_verb_on_a_pending_region_settles_it_first(store):
     h2 = store.prefetch(["r0"])  # waits for the evict, then reads it back
     store.wait_for_evict(h)
     store.wait_for_prefetch(h2)
+    assert bytes(store.host_view("r0")) == data["r0"]
+
+
+def test_two_threads_waiting_on_one_handle(store):
+    data = _fill(store, [24 << 20])
+    h = store.evict(["r0"])
+    errors = []
+
+    def waiter():
+        try:
+            store.wait_for_evict(h)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assert
+            errors.append(exc)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and h.done()
+    store.wait_for_prefetch(store.prefetch(["r0"]))  # checksums taken once per chunk, so this verifies
     assert bytes(store.host_view("r0")) == data["r0"]
 
 
