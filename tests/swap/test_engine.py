@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import resource
 import time
 
 import pytest
@@ -222,3 +223,26 @@ def test_many_threads_and_deep_queue_keep_order_of_bytes(tmp_path):
             assert dst[:] == src[:]
         finally:
             os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_short_write_is_continued_then_reported(engine, tmp_path, direct):
+    """RLIMIT_FSIZE makes the kernel cut a write short at the limit, then refuse the rest
+    with EFBIG (Python ignores SIGXFSZ): the engine must continue after the short write
+    and report the error, never count the request as done."""
+    limit = 1 << 30
+    fd = os.open(tmp_path / "big.bin", os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    buf = _aligned(1 << 20)
+    before = engine.stats()["short_transfers"]
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+        req = engine.write(fd, buf, limit - 8192)
+        req.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        os.close(fd)
+    assert req.error() == errno.EFBIG
+    with pytest.raises(OSError, match="failed after 8192 bytes"):
+        req.check()
+    assert engine.stats()["short_transfers"] > before

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 
 import pytest
 
 from csrc import ConfigError, TierFullError
-from swap import (HostPool, HostPoolConfig, SwapSpace, SwapSpaceConfig, Tier, TierStore, TierStoreConfig)
+from swap import (HostPool, HostPoolConfig, IoEngineConfig, SwapSpace, SwapSpaceConfig, Tier, TierStore,
+                  TierStoreConfig, open_engine)
 
 from tests.swap.conftest import make_engine
 
@@ -269,3 +272,28 @@ def test_create_owns_its_parts(tmp_path):
     assert not os.path.exists(path)
     with pytest.raises(ConfigError, match="closed"):
         store.info("a")
+
+
+def test_store_on_tmpfs_with_the_engine_auto_picks():
+    """/dev/shm is tmpfs: older kernels refuse O_DIRECT there (auto then picks threads),
+    newer ones take it; either way the bytes must come back."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    directory = tempfile.mkdtemp(prefix="ofl-test-", dir="/dev/shm")
+    engine = open_engine(IoEngineConfig(probe_paths=[directory], block_size_bytes=64 << 10))
+    try:
+        assert engine.name in ("linux_aio", "threads") and engine.reason
+        store, pool, space = _make_store(engine, [directory], host_bytes=8 << 20, swap_bytes=8 << 20)
+        try:
+            data = _fill(store, [1, 4097, (1 << 20) + 3])
+            store.wait_for_evict(store.evict(list(data)))
+            store.wait_for_prefetch(store.prefetch(list(data)))
+            for name, payload in data.items():
+                assert bytes(store.host_view(name)) == payload
+        finally:
+            store.close()
+            space.close()
+            pool.close()
+    finally:
+        engine.close()
+        shutil.rmtree(directory, ignore_errors=True)
