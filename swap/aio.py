@@ -11,7 +11,8 @@ import errno
 import logging
 from typing import Any
 
-from csrc import BuildError, raise_errno
+from csrc import raise_errno
+from csrc.loader import load_extension
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +33,7 @@ __all__ = [
 ]
 
 ABI_VERSION = 1
-_REBUILD = "rebuild it with `pip install -e .` (or `pip install .`) from the project root"
-
-try:
-    from csrc._aio import ffi, lib
-except ImportError as exc:  # pragma: no cover - exercised only on a broken install
-    raise BuildError(f"the compiled I/O engine (csrc._aio) is missing: {exc}; {_REBUILD}") from exc
-
-if lib.ofl_aio_abi_version() != ABI_VERSION:  # pragma: no cover - stale build
-    raise BuildError(
-        f"csrc._aio is a stale build (ABI {lib.ofl_aio_abi_version()}, this code needs {ABI_VERSION}); {_REBUILD}"
-    )
+ffi, lib = load_extension("csrc._aio", "ofl_aio_abi_version", ABI_VERSION, "the compiled I/O engine")
 
 KIND_LINUX_AIO = lib.OFL_AIO_KIND_LINUX_AIO
 KIND_THREADS = lib.OFL_AIO_KIND_THREADS

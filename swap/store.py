@@ -271,6 +271,13 @@ class TierStore:
                 seen[name] = self._get(name)
         return list(seen.values())
 
+    def _settled(self, names: Iterable[str]) -> list[_Region]:
+        """The named regions, once, each with no transfer pending."""
+        regions = self._unique(names)
+        for r in regions:
+            self._settle(r)
+        return regions
+
     def _settle(self, r: _Region) -> None:
         """Wait for a pending transfer of ``r`` and apply it; its error stays with its handle."""
         op = r.pending
@@ -291,9 +298,7 @@ class TierStore:
     def prefetch(self, names: Iterable[str]) -> TransferHandle:
         """Start reading regions that are only on NVMe into host memory; returns at once."""
         with self._lock:
-            regions = self._unique(names)
-            for r in regions:
-                self._settle(r)
+            regions = self._settled(names)
             todo = [r for r in regions if r.tier == Tier.NVME]
             blocks: list[HostBlock] = []
             try:
@@ -320,9 +325,7 @@ class TierStore:
 
     def _write_back(self, names: Iterable[str], *, free_host: bool, kind: str) -> TransferHandle:
         with self._lock:
-            regions = self._unique(names)
-            for r in regions:
-                self._settle(r)
+            regions = self._settled(names)
             dirty = [r for r in regions if r.tier == Tier.HOST]
             fresh: list[_Region] = []
             try:

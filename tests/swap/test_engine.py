@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from csrc import ConfigError
+from csrc import BuildError, ConfigError
+from csrc.loader import load_extension
 from swap import IoEngineConfig, align_up, crc32c, open_engine
 from swap import aio as swap_aio
 from swap import engine as swap_engine
@@ -246,3 +247,10 @@ def test_short_write_is_continued_then_reported(engine, tmp_path, direct):
     with pytest.raises(OSError, match="failed after 8192 bytes"):
         req.check()
     assert engine.stats()["short_transfers"] > before
+
+
+def test_a_stale_or_missing_build_fails_loudly_at_import():
+    with pytest.raises(BuildError, match=r"stale build \(ABI 1, this code needs 999\).*pip install"):
+        load_extension("csrc._aio", "ofl_aio_abi_version", 999, "the compiled I/O engine")
+    with pytest.raises(BuildError, match="csrc._nothing.*is missing"):
+        load_extension("csrc._nothing", "x", 1, "nothing")

@@ -1,6 +1,7 @@
 """TierStore: states, the dirty rule, bytes on disk against Python reads, stats, sharing."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -17,12 +18,19 @@ from tests.swap.conftest import make_engine
 LENGTHS = [1, 4095, 4096, 4097, (1 << 20) + 3, 64 << 20]
 
 
+@contextlib.contextmanager
 def _make_store(engine, dirs, *, host_bytes=160 << 20, swap_bytes=192 << 20, **config):
+    """A store over its own pool and space (closed on exit) and the given engine."""
     pool = HostPool(HostPoolConfig(capacity_bytes=host_bytes))
     space = SwapSpace(SwapSpaceConfig(paths=[str(d) for d in dirs], capacity_bytes=swap_bytes,
                                       stripe_bytes=256 << 10), engine=engine)
     store = TierStore(TierStoreConfig(chunk_bytes=1 << 20, **config), pool=pool, space=space, engine=engine)
-    return store, pool, space
+    try:
+        yield store
+    finally:
+        store.close()
+        space.close()
+        pool.close()
 
 
 @pytest.fixture(params=[1, 3], ids=["one_path", "striped_3"])
@@ -30,11 +38,8 @@ def store(request, engine, tmp_path):
     dirs = [tmp_path / f"d{i}" for i in range(request.param)]
     for d in dirs:
         d.mkdir()
-    s, pool, space = _make_store(engine, dirs)
-    yield s
-    s.close()
-    space.close()
-    pool.close()
+    with _make_store(engine, dirs) as s:
+        yield s
 
 
 def _fill(store, lengths, prefix="r"):
@@ -71,8 +76,7 @@ def test_evicted_bytes_read_back_with_python_and_prefetch(store):
 
 
 def test_python_written_swap_bytes_are_what_prefetch_returns(engine, tmp_path):
-    store, pool, space = _make_store(engine, [tmp_path], checksum="none")
-    try:
+    with _make_store(engine, [tmp_path], checksum="none") as store:
         data = _fill(store, LENGTHS)
         store.wait_for_evict(store.evict(list(data)))
         fresh = {}
@@ -81,7 +85,7 @@ def test_python_written_swap_bytes_are_what_prefetch_returns(engine, tmp_path):
             fresh[name] = new
             pos = 0
             for p in store.placements(name):
-                with open(space.files[p.file_index].path, "r+b") as f:
+                with open(store.space.files[p.file_index].path, "r+b") as f:
                     f.seek(p.file_offset)
                     f.write(new[pos:pos + p.nbytes])
                     f.flush()
@@ -90,10 +94,6 @@ def test_python_written_swap_bytes_are_what_prefetch_returns(engine, tmp_path):
         store.wait_for_prefetch(store.prefetch(list(data)))
         for name, new in fresh.items():
             assert bytes(store.host_view(name)) == new, name
-    finally:
-        store.close()
-        space.close()
-        pool.close()
 
 
 def test_states_and_the_dirty_rule(store):
@@ -192,8 +192,7 @@ def test_two_threads_waiting_on_one_handle(store):
 
 
 def test_prefetch_without_host_room_changes_nothing(engine, tmp_path):
-    store, pool, space = _make_store(engine, [tmp_path], host_bytes=1 << 20)
-    try:
+    with _make_store(engine, [tmp_path], host_bytes=1 << 20) as store:
         data = _fill(store, [1 << 20])
         store.wait_for_evict(store.evict(["r0"]))
         store.allocate("hog", 4096)
@@ -203,16 +202,11 @@ def test_prefetch_without_host_room_changes_nothing(engine, tmp_path):
         store.free("hog")
         store.wait_for_prefetch(store.prefetch(["r0"]))
         assert bytes(store.host_view("r0")) == data["r0"]
-    finally:
-        store.close()
-        space.close()
-        pool.close()
 
 
 def test_timeout_leaves_the_transfer_running(tmp_path):
     with make_engine("threads", block_size_bytes=4096, queue_depth=1, num_threads=1) as engine:
-        store, pool, space = _make_store(engine, [tmp_path])
-        try:
+        with _make_store(engine, [tmp_path]) as store:
             data = _fill(store, [32 << 20])
             h = store.evict(["r0"])
             with pytest.raises(TimeoutError, match="r0"):
@@ -220,10 +214,6 @@ def test_timeout_leaves_the_transfer_running(tmp_path):
             store.wait_for_evict(h)
             store.wait_for_prefetch(store.prefetch(["r0"]))
             assert bytes(store.host_view("r0")) == data["r0"]
-        finally:
-            store.close()
-            space.close()
-            pool.close()
 
 
 def test_wrong_handle_and_names_are_config_errors(store):
@@ -283,17 +273,12 @@ def test_store_on_tmpfs_with_the_engine_auto_picks():
     engine = open_engine(IoEngineConfig(probe_paths=[directory], block_size_bytes=64 << 10))
     try:
         assert engine.name in ("linux_aio", "threads") and engine.reason
-        store, pool, space = _make_store(engine, [directory], host_bytes=8 << 20, swap_bytes=8 << 20)
-        try:
+        with _make_store(engine, [directory], host_bytes=8 << 20, swap_bytes=8 << 20) as store:
             data = _fill(store, [1, 4097, (1 << 20) + 3])
             store.wait_for_evict(store.evict(list(data)))
             store.wait_for_prefetch(store.prefetch(list(data)))
             for name, payload in data.items():
                 assert bytes(store.host_view(name)) == payload
-        finally:
-            store.close()
-            space.close()
-            pool.close()
     finally:
         engine.close()
         shutil.rmtree(directory, ignore_errors=True)
