@@ -12,6 +12,7 @@ package allocates (pool regions, swap extents) is aligned to ``ALIGNMENT_BYTES``
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import mmap
 import os
@@ -25,6 +26,14 @@ logger = logging.getLogger(__name__)
 __all__ = ["ALIGNMENT_BYTES", "IoEngine", "IoEngineConfig", "IoRequest", "direct_io_supported", "open_engine"]
 
 ALIGNMENT_BYTES = 4096
+_SECTOR_BYTES = 512  # the smallest logical block size: misalignment below it is refused up front
+
+
+def _is_direct(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+    except OSError:
+        return False  # a bad fd: the transfer itself reports EBADF
 _KINDS = ("auto", "linux_aio", "threads")
 
 
@@ -135,6 +144,10 @@ class IoEngine:
         """Queue a transfer at a raw address the caller keeps valid (``keepalive`` is held until done)."""
         if nbytes < 0 or file_offset < 0:
             raise ConfigError(f"nbytes and file_offset must be >= 0, got {nbytes} and {file_offset}")
+        if (address | nbytes | file_offset) % _SECTOR_BYTES and _is_direct(fd):
+            raise ConfigError(f"misaligned O_DIRECT transfer on fd {fd}: address {address:#x}, nbytes {nbytes} "
+                              f"and file_offset {file_offset} must all be multiples of {_SECTOR_BYTES} "
+                              f"(see [Note: alignment])")
         c = self._engine().submit(op, fd, address, nbytes, file_offset)
         return IoRequest(c, keepalive, op, fd, nbytes, file_offset)
 

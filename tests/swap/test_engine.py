@@ -254,3 +254,17 @@ def test_a_stale_or_missing_build_fails_loudly_at_import():
         load_extension("csrc._aio", "ofl_aio_abi_version", 999, "the compiled I/O engine")
     with pytest.raises(BuildError, match="csrc._nothing.*is missing"):
         load_extension("csrc._nothing", "x", 1, "nothing")
+
+
+def test_misaligned_direct_transfer_is_refused_up_front(engine, tmp_path):
+    fd = os.open(tmp_path / "m.bin", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        buf = _aligned(8192)
+        with pytest.raises(ConfigError, match="misaligned O_DIRECT transfer.*nbytes 4095"):
+            engine.write(fd, memoryview(buf)[:4095], 0)
+        with pytest.raises(ConfigError, match="misaligned O_DIRECT transfer.*file_offset 100"):
+            engine.write(fd, memoryview(buf)[:4096], 100)
+        with pytest.raises(ConfigError, match="misaligned O_DIRECT transfer.*address"):
+            engine.write(fd, memoryview(buf)[1:4097], 0)
+    finally:
+        os.close(fd)
