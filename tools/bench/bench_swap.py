@@ -207,6 +207,7 @@ def main() -> None:
     ap.add_argument("--pipeline-engine", default="1m,32,1", help="block size,queue depth,threads of the pipeline")
     ap.add_argument("--fio-io-uring", action="store_true", help="also run fio with io_uring")
     ap.add_argument("--out", help="also write the markdown report here")
+    ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = lambda msg: print(f"[bench_swap] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -316,8 +317,8 @@ def main() -> None:
     ])
     print(report)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+        with open(args.out, "a" if args.append else "w") as f:
+            f.write(("\n" if args.append else "") + report)
         log(f"wrote {args.out}")
 
 
