@@ -401,7 +401,7 @@ class TierStore:
         errors = [op.transfer.outcome for op in handle._ops if op.transfer.outcome is not None]
         if errors:
             first = errors[0]
-            if len(errors) > 1:
+            if len(errors) > 1 and not getattr(first, "__notes__", None):  # once, if waited for again
                 first.add_note(f"{len(errors) - 1} more region(s) of this {handle.kind} failed: "
                                + "; ".join(str(e) for e in errors[1:4]))
             raise first

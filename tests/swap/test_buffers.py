@@ -66,3 +66,25 @@ def test_full_and_oversized_requests_are_clear_errors(pool):
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         HostPoolConfig(**kwargs)
+
+
+def _resident_bytes(name: str) -> dict[str, int]:
+    """Rss of each memfd mapping whose name contains ``name``, from /proc/self/smaps."""
+    out, current = {}, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                current = next((x for x in fields if x.startswith("/memfd:") and name in x), None)
+            elif current and fields[0] == "Rss:":
+                out[current] = int(fields[1]) * 1024
+    return out
+
+
+@pytest.mark.parametrize("pretouch", [True, False])
+def test_pretouch_makes_every_page_resident(pretouch):
+    name = f"ofl-touch-{int(pretouch)}"
+    with HostPool(HostPoolConfig(capacity_bytes=8 << 20, segment_bytes=4 << 20, pretouch=pretouch, name=name)):
+        rss = _resident_bytes(name)
+        assert len(rss) == 2
+        assert all(v == (4 << 20 if pretouch else 0) for v in rss.values()), rss
