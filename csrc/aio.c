@@ -14,6 +14,8 @@ int32_t ofl_aio_abi_version(void) { return OFL_AIO_ABI_VERSION; }
 
 int32_t ofl_aio_linux_aio_available(void) { return ofl_aio_linux_probe(); }
 
+int32_t ofl_aio_io_uring_available(void) { return ofl_aio_uring_probe(); }
+
 int64_t ofl_aio_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -125,7 +127,7 @@ static void transfer_block(ofl_aio_engine *e, ofl_aio_block *blk) {
 }
 
 static void *thread_worker(void *arg) {
-    ofl_aio_engine *e = (ofl_aio_engine *)arg;
+    ofl_aio_engine *e = ((ofl_aio_worker_arg *)arg)->engine;
     for (;;) {
         ofl_aio_block blk;
         pthread_mutex_lock(&e->lock);
@@ -154,6 +156,11 @@ int32_t ofl_aio_engine_open(const ofl_aio_config *config, ofl_aio_engine **engin
         if (rc) return rc;
         nworkers = config->num_threads;
         fn = ofl_aio_linux_worker;
+    } else if (config->kind == OFL_AIO_KIND_IO_URING) {
+        int32_t rc = ofl_aio_uring_probe();
+        if (rc) return rc;
+        nworkers = config->num_threads;
+        fn = ofl_aio_uring_worker;
     } else if (config->kind == OFL_AIO_KIND_THREADS) {
         int64_t n = (int64_t)config->num_threads * config->queue_depth;
         nworkers = (int32_t)(n > OFL_AIO_MAX_IO_THREADS ? OFL_AIO_MAX_IO_THREADS : n);
@@ -164,7 +171,10 @@ int32_t ofl_aio_engine_open(const ofl_aio_config *config, ofl_aio_engine **engin
     ofl_aio_engine *e = calloc(1, sizeof(*e));
     if (!e) return -ENOMEM;
     e->workers = calloc((size_t)nworkers, sizeof(pthread_t));
-    if (!e->workers) {
+    e->args = calloc((size_t)nworkers, sizeof(ofl_aio_worker_arg));
+    if (!e->workers || !e->args) {
+        free(e->workers);
+        free(e->args);
         free(e);
         return -ENOMEM;
     }
@@ -176,8 +186,16 @@ int32_t ofl_aio_engine_open(const ofl_aio_config *config, ofl_aio_engine **engin
     pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
     pthread_cond_init(&e->done_cv, &attr);
     pthread_condattr_destroy(&attr);
+    if (config->kind == OFL_AIO_KIND_IO_URING) {
+        int32_t rc = ofl_aio_uring_open(e);
+        if (rc) {
+            ofl_aio_engine_close(e);
+            return rc;
+        }
+    }
     for (int32_t i = 0; i < nworkers; i++) {
-        int rc = pthread_create(&e->workers[i], NULL, fn, e);
+        e->args[i] = (ofl_aio_worker_arg){e, i};
+        int rc = pthread_create(&e->workers[i], NULL, fn, &e->args[i]);
         if (rc) {
             e->nworkers = i;
             ofl_aio_engine_close(e);
@@ -213,11 +231,63 @@ void ofl_aio_engine_close(ofl_aio_engine *e) {
         request_unref(r);
     }
     for (int32_t i = 0; i < e->nworkers; i++) pthread_join(e->workers[i], NULL);
+    ofl_aio_uring_close(e);
     pthread_cond_destroy(&e->work_cv);
     pthread_cond_destroy(&e->done_cv);
     pthread_mutex_destroy(&e->lock);
     free(e->workers);
+    free(e->args);
     free(e);
+}
+
+int32_t ofl_aio_register_buffer(ofl_aio_engine *e, uint64_t address, int64_t nbytes, int32_t *slot_out) {
+    if (!e || !slot_out || address == 0 || nbytes <= 0) return -EINVAL;
+    *slot_out = -1;
+    if (e->config.kind != OFL_AIO_KIND_IO_URING || !e->fixed_buffers) return -EOPNOTSUPP;
+    pthread_mutex_lock(&e->lock);
+    int32_t slot = -1;
+    for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS; i++) {
+        if (e->buffers[i].nbytes == 0) {
+            slot = i;
+            break;
+        }
+    }
+    if (slot < 0) {
+        pthread_mutex_unlock(&e->lock);
+        return -ENOSPC;
+    }
+    int32_t rc = ofl_aio_uring_update(e, slot, address, nbytes);
+    if (rc == 0) {
+        e->buffers[slot].address = address;
+        e->buffers[slot].nbytes = nbytes;
+        *slot_out = slot;
+    }
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+int32_t ofl_aio_unregister_buffer(ofl_aio_engine *e, int32_t slot) {
+    if (!e || slot < 0 || slot >= OFL_AIO_MAX_BUFFERS) return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    int32_t rc = -EINVAL;
+    if (e->buffers[slot].nbytes != 0) {
+        e->buffers[slot].nbytes = 0;  /* no new transfer picks it; the kernel keeps in-flight pages */
+        e->buffers[slot].address = 0;
+        rc = ofl_aio_uring_update(e, slot, 0, 0);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+/* Under the lock: the registered buffer that holds [address, address + nbytes), or -1. */
+static int32_t find_buffer(ofl_aio_engine *e, uint64_t address, int64_t nbytes) {
+    if (!e->fixed_buffers) return -1;
+    for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS; i++) {
+        const ofl_aio_buffer *b = &e->buffers[i];
+        if (b->nbytes && address >= b->address && address + (uint64_t)nbytes <= b->address + (uint64_t)b->nbytes)
+            return i;
+    }
+    return -1;
 }
 
 int32_t ofl_aio_engine_stats(ofl_aio_engine *e, ofl_aio_stats *out) {
@@ -251,6 +321,7 @@ int32_t ofl_aio_submit(ofl_aio_engine *e, int32_t op, int32_t fd, uint64_t buffe
         return -ESHUTDOWN;
     }
     e->stats.requests_pending++;
+    r->buf_index = find_buffer(e, buffer_address, nbytes);
     if (nbytes == 0) {
         maybe_complete(e, r);
         r->refs = 1;

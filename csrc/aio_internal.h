@@ -22,6 +22,7 @@ struct ofl_aio_request {
     int64_t submit_ns;
     int64_t complete_ns;
     int32_t done;
+    int32_t buf_index;       /* io_uring: registered buffer holding the whole transfer, or -1 */
     struct ofl_aio_request *next;  /* FIFO link while queued */
 };
 
@@ -31,6 +32,19 @@ typedef struct {
     int64_t offset;
     int64_t len;
 } ofl_aio_block;
+
+/* What a worker thread is started with. */
+typedef struct {
+    struct ofl_aio_engine *engine;
+    int32_t index;
+} ofl_aio_worker_arg;
+
+typedef struct {
+    uint64_t address;
+    int64_t nbytes;  /* 0: slot free */
+} ofl_aio_buffer;
+
+struct ofl_aio_uring;  /* aio_uring.c: one ring per submitting thread */
 
 struct ofl_aio_engine {
     ofl_aio_config config;
@@ -42,7 +56,11 @@ struct ofl_aio_engine {
     int32_t stopping;
     int32_t nworkers;
     pthread_t *workers;
+    ofl_aio_worker_arg *args;
     ofl_aio_stats stats;
+    struct ofl_aio_uring *rings;   /* io_uring engines only: config.num_threads rings */
+    int32_t fixed_buffers;         /* 1 if the rings have a (sparse) registered buffer table */
+    ofl_aio_buffer buffers[OFL_AIO_MAX_BUFFERS];
 };
 
 int64_t ofl_aio_now_ns(void);
@@ -54,10 +72,19 @@ int ofl_aio_take_block(ofl_aio_engine *e, ofl_aio_block *blk);
  * `len` bytes were transferred in total for it; completes the request when it was the last. */
 void ofl_aio_finish_block(ofl_aio_engine *e, ofl_aio_block *blk, int32_t err, int64_t moved);
 
-/* The Linux AIO worker loop (aio_linux.c); arg is the engine. */
+/* The Linux AIO worker loop (aio_linux.c); arg is an ofl_aio_worker_arg. */
 void *ofl_aio_linux_worker(void *arg);
 
 /* 0 if io_setup works here, else -errno (aio_linux.c). */
 int32_t ofl_aio_linux_probe(void);
+
+/* io_uring (aio_uring.c): probe; create / destroy the engine's rings (before the workers
+ * start, after they stop); the worker loop (arg is an ofl_aio_worker_arg); and setting
+ * slot `slot` of every ring's registered buffer table (nbytes 0 clears it). */
+int32_t ofl_aio_uring_probe(void);
+int32_t ofl_aio_uring_open(ofl_aio_engine *e);
+void ofl_aio_uring_close(ofl_aio_engine *e);
+void *ofl_aio_uring_worker(void *arg);
+int32_t ofl_aio_uring_update(ofl_aio_engine *e, int32_t slot, uint64_t address, int64_t nbytes);
 
 #endif /* OFL_AIO_INTERNAL_H */

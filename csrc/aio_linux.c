@@ -81,7 +81,7 @@ static void complete(ofl_aio_engine *e, slot *s, int64_t res, int64_t *inflight)
 }
 
 void *ofl_aio_linux_worker(void *arg) {
-    ofl_aio_engine *e = (ofl_aio_engine *)arg;
+    ofl_aio_engine *e = ((ofl_aio_worker_arg *)arg)->engine;
     int32_t qd = e->config.queue_depth;
     aio_context_t ctx = 0;
     slot *slots = calloc((size_t)qd, sizeof(slot));

@@ -15,7 +15,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cffi_header import cdef_text  # noqa: E402  (a sibling file, not the package)
 
-SOURCES = ["aio.c", "aio_linux.c", "crc32c.c"]
+SOURCES = ["aio.c", "aio_linux.c", "aio_uring.c", "crc32c.c"]
 
 ffibuilder = FFI()
 ffibuilder.cdef(cdef_text(HERE / "ofl_aio.h"))

@@ -14,6 +14,11 @@
  *   context (io_setup) keeping up to `queue_depth` blocks in flight (io_submit /
  *   io_getevents). The kernel ABI from <linux/aio_abi.h> is used directly, so neither
  *   libaio nor its headers are needed.
+ * - OFL_AIO_KIND_IO_URING: `num_threads` submitting threads, each with its own io_uring
+ *   (io_uring_setup / io_uring_enter through raw syscalls, no liburing) keeping up to
+ *   `queue_depth` blocks in flight. Buffers registered with ofl_aio_register_buffer are
+ *   pinned once and used with READ_FIXED / WRITE_FIXED, which saves pinning the pages
+ *   of every transfer again (the reason this engine exists: see the swap bench).
  * - OFL_AIO_KIND_THREADS: `num_threads * queue_depth` threads (at most
  *   OFL_AIO_MAX_IO_THREADS), each doing blocking pread/pwrite of one block at a time.
  *
@@ -31,10 +36,11 @@
 
 #include <stdint.h>
 
-#define OFL_AIO_ABI_VERSION 1
+#define OFL_AIO_ABI_VERSION 2
 
 #define OFL_AIO_KIND_LINUX_AIO 1
 #define OFL_AIO_KIND_THREADS 2
+#define OFL_AIO_KIND_IO_URING 3
 
 #define OFL_AIO_OP_READ 0
 #define OFL_AIO_OP_WRITE 1
@@ -42,6 +48,7 @@
 #define OFL_AIO_MAX_THREADS 64
 #define OFL_AIO_MAX_QUEUE_DEPTH 1024
 #define OFL_AIO_MAX_IO_THREADS 256
+#define OFL_AIO_MAX_BUFFERS 64
 
 typedef struct ofl_aio_engine ofl_aio_engine;
 typedef struct ofl_aio_request ofl_aio_request;
@@ -62,6 +69,7 @@ typedef struct {
     int64_t requests_pending;    /* submitted and not yet complete */
     int64_t blocks_in_flight;    /* handed to the kernel or to an I/O thread now */
     int64_t short_transfers;     /* short transfers that were continued */
+    int64_t blocks_registered;   /* io_uring: blocks issued from a registered buffer (READ/WRITE_FIXED) */
 } ofl_aio_stats;
 
 typedef struct {
@@ -92,6 +100,20 @@ int32_t ofl_aio_engine_stats(ofl_aio_engine *engine, ofl_aio_stats *stats_out);
  * -ESHUTDOWN: the engine is closing; -ENOMEM. A request of 0 bytes completes at once. */
 int32_t ofl_aio_submit(ofl_aio_engine *engine, int32_t op, int32_t fd, uint64_t buffer_address,
                        int64_t nbytes, int64_t file_offset, ofl_aio_request **request_out);
+
+/* io_uring engines: register [address, address + nbytes) so that transfers lying wholly
+ * inside it use the pinned pages; *slot_out receives its slot for unregistering.
+ * -EOPNOTSUPP: not an io_uring engine, or this kernel has no sparse buffer tables;
+ * -ENOSPC: OFL_AIO_MAX_BUFFERS already registered; -ENOMEM: the memlock limit
+ * refuses the pinning; -EINVAL / -EFAULT: a bad range (at most 1 GiB each). */
+int32_t ofl_aio_register_buffer(ofl_aio_engine *engine, uint64_t address, int64_t nbytes, int32_t *slot_out);
+
+/* Forget a registered buffer; transfers already in flight keep their pages pinned
+ * until they finish. */
+int32_t ofl_aio_unregister_buffer(ofl_aio_engine *engine, int32_t slot);
+
+/* 0 if this process may create an io_uring, else the -errno of io_uring_setup. */
+int32_t ofl_aio_io_uring_available(void);
 
 /* Block until this request is complete, or timeout_ns elapse (< 0: no limit).
  * 0: complete (see ofl_aio_request_result); -ETIMEDOUT: not yet. */

@@ -20,6 +20,7 @@ __all__ = [
     "ABI_VERSION",
     "KIND_LINUX_AIO",
     "KIND_THREADS",
+    "KIND_IO_URING",
     "OP_READ",
     "OP_WRITE",
     "MAX_QUEUE_DEPTH",
@@ -29,14 +30,16 @@ __all__ = [
     "buffer_address",
     "crc32c",
     "crc32c_hardware",
+    "io_uring_errno",
     "linux_aio_errno",
 ]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ffi, lib = load_extension("csrc._aio", "ofl_aio_abi_version", ABI_VERSION, "the compiled I/O engine")
 
 KIND_LINUX_AIO = lib.OFL_AIO_KIND_LINUX_AIO
 KIND_THREADS = lib.OFL_AIO_KIND_THREADS
+KIND_IO_URING = lib.OFL_AIO_KIND_IO_URING
 OP_READ = lib.OFL_AIO_OP_READ
 OP_WRITE = lib.OFL_AIO_OP_WRITE
 MAX_QUEUE_DEPTH = lib.OFL_AIO_MAX_QUEUE_DEPTH
@@ -46,6 +49,11 @@ MAX_THREADS = lib.OFL_AIO_MAX_THREADS
 def linux_aio_errno() -> int:
     """0 if this process may create a Linux AIO context, else the errno io_setup gave."""
     return -lib.ofl_aio_linux_aio_available()
+
+
+def io_uring_errno() -> int:
+    """0 if this process may create an io_uring, else the errno io_uring_setup gave."""
+    return -lib.ofl_aio_io_uring_available()
 
 
 def buffer_address(buffer: Any) -> tuple[Any, int]:
@@ -124,12 +132,21 @@ class CEngine:
         raise_errno(lib.ofl_aio_submit(self._handle, op, fd, address, nbytes, file_offset, out), "ofl_aio_submit")
         return CRequest(self, ffi.gc(out[0], lib.ofl_aio_request_release), nbytes)
 
+    def register_buffer(self, address: int, nbytes: int) -> int:
+        """Slot of a newly registered buffer; raises OSError (EOPNOTSUPP where the engine has none)."""
+        out = ffi.new("int32_t *")
+        raise_errno(lib.ofl_aio_register_buffer(self._handle, address, nbytes, out), "ofl_aio_register_buffer")
+        return int(out[0])
+
+    def unregister_buffer(self, slot: int) -> None:
+        raise_errno(lib.ofl_aio_unregister_buffer(self._handle, slot), "ofl_aio_unregister_buffer")
+
     def stats(self) -> dict[str, int]:
         out = ffi.new("ofl_aio_stats *")
         raise_errno(lib.ofl_aio_engine_stats(self._handle, out), "ofl_aio_engine_stats")
         return {name: int(getattr(out, name)) for name in (
             "bytes_read", "bytes_written", "requests_completed", "requests_failed",
-            "requests_pending", "blocks_in_flight", "short_transfers")}
+            "requests_pending", "blocks_in_flight", "short_transfers", "blocks_registered")}
 
     def close(self) -> None:
         """Cancel queued requests, wait for blocks in flight, free the engine."""

@@ -158,6 +158,8 @@ class TierStore:
         self._errors = 0
         self._owned: list[HostPool | SwapSpace | IoEngine] = []
         self._closed = False
+        # [Note: registered buffers] in swap.engine: pin the pool once for the engine
+        self._buffer_slots = [engine.register_buffer(seg.address, seg.nbytes) for seg in pool.segments]
 
     @classmethod
     def create(cls, *, host_capacity_bytes: int, swap_paths: Iterable[str], swap_capacity_bytes: int,
@@ -458,6 +460,9 @@ class TierStore:
                 self._release(r)
             self._regions.clear()
             self._closed = True
+            for slot in self._buffer_slots:
+                self.engine.unregister_buffer(slot)
+            self._buffer_slots = []
         for part in self._owned:
             part.close()
 

@@ -12,12 +12,16 @@ import subprocess
 
 import pytest
 
-from swap import IoEngineConfig, open_engine
+from swap import IoEngineConfig, aio, open_engine
 
-ENGINE_KINDS = ("linux_aio", "threads")
+ENGINE_KINDS = ("io_uring", "linux_aio", "threads")
 
 
 def make_engine(kind: str, **overrides):
+    """An engine of ``kind``; skips the test where this kernel refuses that kind."""
+    refused = {"io_uring": aio.io_uring_errno, "linux_aio": aio.linux_aio_errno}.get(kind, lambda: 0)()
+    if refused:
+        pytest.skip(f"this kernel refuses {kind}: {os.strerror(refused)}")
     config = dict(kind=kind, block_size_bytes=256 << 10, queue_depth=8, num_threads=2)
     config.update(overrides)
     return open_engine(IoEngineConfig(**config))

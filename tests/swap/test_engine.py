@@ -175,13 +175,21 @@ def test_config_errors_name_the_field(field, value):
         IoEngineConfig(**{field: value})
 
 
-def test_auto_falls_back_to_threads_when_aio_is_refused(monkeypatch):
+def test_auto_falls_back_in_order_when_kinds_are_refused(monkeypatch):
+    if swap_aio.linux_aio_errno():
+        pytest.skip("this kernel refuses Linux AIO")
+    monkeypatch.setattr(swap_aio, "io_uring_errno", lambda: errno.EPERM)
+    with open_engine(IoEngineConfig()) as e:
+        assert e.name == "linux_aio"
+        assert "io_uring_setup refused" in e.reason
     monkeypatch.setattr(swap_aio, "linux_aio_errno", lambda: errno.EPERM)
     with open_engine(IoEngineConfig()) as e:
         assert e.name == "threads"
-        assert "io_setup" in e.reason
-    with pytest.raises(ConfigError, match="linux_aio"):
+        assert "io_setup refused" in e.reason
+    with pytest.raises(ConfigError, match="'linux_aio' cannot be used here"):
         open_engine(IoEngineConfig(kind="linux_aio"))
+    with pytest.raises(ConfigError, match="'io_uring' cannot be used here"):
+        open_engine(IoEngineConfig(kind="io_uring"))
 
 
 def test_auto_falls_back_when_a_probe_path_refuses_o_direct(monkeypatch, tmp_path):
@@ -191,11 +199,42 @@ def test_auto_falls_back_when_a_probe_path_refuses_o_direct(monkeypatch, tmp_pat
         assert str(tmp_path) in e.reason
 
 
-def test_auto_picks_linux_aio_where_it_works(tmp_path):
-    if swap_aio.linux_aio_errno():
-        pytest.skip("this kernel refuses Linux AIO")
+def test_auto_picks_io_uring_where_it_works(tmp_path):
+    if swap_aio.io_uring_errno():
+        pytest.skip("this kernel refuses io_uring")
     with open_engine(IoEngineConfig(probe_paths=[str(tmp_path)])) as e:
-        assert e.name == "linux_aio"
+        assert e.name == "io_uring"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_registered_buffer_is_used_and_bytes_match(tmp_path, direct):
+    with make_engine("io_uring") as e:
+        n = 4 << 20
+        src, dst = _aligned(n), _aligned(n)
+        src[:] = os.urandom(n)
+        keep_s, a_src = swap_aio.buffer_address(src)
+        keep_d, a_dst = swap_aio.buffer_address(dst)
+        slots = [e.register_buffer(a_src, n), e.register_buffer(a_dst, n)]
+        assert None not in slots, "registration failed (memlock limit?)"
+        fd = os.open(tmp_path / "r.bin", os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+        try:
+            e.submit(swap_aio.OP_WRITE, fd, a_src + 4096, n - 4096, 0).check()
+            e.submit(swap_aio.OP_READ, fd, a_dst, n - 4096, 0).check()
+            assert dst[:n - 4096] == src[4096:]
+            used = e.stats()["blocks_registered"]
+            assert used == 2 * -(-(n - 4096) // (256 << 10))  # every block of both transfers
+            for slot in slots:
+                e.unregister_buffer(slot)
+            e.submit(swap_aio.OP_READ, fd, a_dst, n - 4096, 0).check()
+            assert e.stats()["blocks_registered"] == used, "an unregistered buffer must not be used as fixed"
+        finally:
+            os.close(fd)
+        del keep_s, keep_d
+
+
+def test_other_engines_ignore_registration():
+    with make_engine("threads") as e:
+        assert e.register_buffer(4096, 4096) is None
 
 
 def test_crc32c_matches_the_standard_check_value():
@@ -209,7 +248,7 @@ def test_crc32c_matches_the_standard_check_value():
 
 
 def test_many_threads_and_deep_queue_keep_order_of_bytes(tmp_path):
-    with make_engine("linux_aio" if not swap_aio.linux_aio_errno() else "threads",
+    with make_engine("io_uring" if not swap_aio.io_uring_errno() else "threads",
                      block_size_bytes=128 << 10, queue_depth=32, num_threads=4) as e:
         fd = os.open(tmp_path / "q.bin", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
         try:
@@ -250,7 +289,7 @@ def test_short_write_is_continued_then_reported(engine, tmp_path, direct):
 
 
 def test_a_stale_or_missing_build_fails_loudly_at_import():
-    with pytest.raises(BuildError, match=r"stale build \(ABI 1, this code needs 999\).*pip install"):
+    with pytest.raises(BuildError, match=r"stale build \(ABI \d+, this code needs 999\).*pip install"):
         load_extension("csrc._aio", "ofl_aio_abi_version", 999, "the compiled I/O engine")
     with pytest.raises(BuildError, match="csrc._nothing.*is missing"):
         load_extension("csrc._nothing", "x", 1, "nothing")

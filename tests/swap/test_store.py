@@ -272,7 +272,7 @@ def test_store_on_tmpfs_with_the_engine_auto_picks():
     directory = tempfile.mkdtemp(prefix="ofl-test-", dir="/dev/shm")
     engine = open_engine(IoEngineConfig(probe_paths=[directory], block_size_bytes=64 << 10))
     try:
-        assert engine.name in ("linux_aio", "threads") and engine.reason
+        assert engine.name in ("io_uring", "linux_aio", "threads") and engine.reason
         with _make_store(engine, [directory], host_bytes=8 << 20, swap_bytes=8 << 20) as store:
             data = _fill(store, [1, 4097, (1 << 20) + 3])
             store.wait_for_evict(store.evict(list(data)))

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -183,6 +184,33 @@ def paired(results: dict, point, ours: str, peer: str) -> float:
     return statistics.median(a / b for a, b in zip(results[(point, ours)], results[(point, peer)]))
 
 
+def checksums(pool: HostPool, rounds: int) -> list[list[str]]:
+    """GB/s of each checksum candidate over the pool's (pre-touched) first segment, one core."""
+    seg = pool.segments[0]
+    view = seg.view(0, seg.nbytes)
+    candidates = {"crc32c (ours, C" + (", SSE4.2)" if aio.crc32c_hardware() else ", table)"):
+                  lambda: aio.crc32c(seg.address, seg.nbytes),
+                  "zlib.crc32 (CRC-32, not C)": lambda: zlib.crc32(view)}
+    try:
+        import xxhash
+        candidates["xxhash.xxh3_64"] = lambda: xxhash.xxh3_64_intdigest(view)
+    except ImportError:
+        candidates["xxhash"] = None
+    rows = []
+    for name, fn in candidates.items():
+        if fn is None:
+            rows.append([name, "not installed", ""])
+            continue
+        v = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            v.append(seg.nbytes / (time.perf_counter() - t0) / 1e9)
+        rows.append([name, f"{statistics.median(v):.2f}", spread(v)])
+    del view
+    return rows
+
+
 def spread(v: list[float]) -> str:
     return f"{min(v):.2f}-{max(v):.2f}"
 
@@ -242,6 +270,7 @@ def main() -> None:
         pipe_cfg = IoEngineConfig(kind=kinds[0], block_size_bytes=parse_sizes(pbs)[0], queue_depth=int(pqd),
                                   num_threads=int(pt))
         pipe_rows = pipeline(args, pipe_cfg, work, fd, pool, log)
+        crc_rows = checksums(pool, args.rounds)
     finally:
         for peer in raw.values():
             peer.close()
@@ -309,6 +338,10 @@ def main() -> None:
         f"({args.region_mib} MiB regions, chunk {args.chunk_mib} MiB, engine {kinds[0]} {args.pipeline_engine})",
         "",
         table(["pipeline", "GB/s", "raw engine GB/s", "paired ratio", "min-max"], pipe_rows),
+        "",
+        f"## Checksum candidates (GB/s on one core over {args.measure_mib} MiB, median of {args.rounds})",
+        "",
+        table(["checksum", "GB/s", "min-max"], crc_rows),
         "",
         "## Every point",
         "",
