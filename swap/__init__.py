@@ -4,7 +4,7 @@
 from swap import (HostPool, HostPoolConfig, SwapSpace, SwapSpaceConfig, IoEngineConfig, open_engine,
                   TierStore, TierStoreConfig, RegionInfo, TierStats, Tier)
 pool = HostPool(HostPoolConfig(capacity_bytes=1 << 30, segment_bytes=256 << 20))
-engine = open_engine(IoEngineConfig(probe_paths=["/nvme0"]))      # engine.name: "linux_aio" or "threads"
+engine = open_engine(IoEngineConfig(probe_paths=["/nvme0"]))  # engine.name: "io_uring", "linux_aio" or "threads"
 space = SwapSpace(SwapSpaceConfig(paths=["/nvme0"], capacity_bytes=64 << 30), engine=engine)
 store = TierStore(TierStoreConfig(), pool=pool, space=space, engine=engine)
 info = store.allocate("layer0.exp_avg", nbytes)   # RegionInfo(name, nbytes, segment_index, offset, tier)
@@ -22,6 +22,10 @@ Notes on the contract (issue 3) where the shape is more precise than the brief:
 - ``wait_for_*`` raise ``TimeoutError`` (builtin) when ``timeout_seconds`` passes; the
   transfer continues and can be waited for again.
 - ``flush()`` writes back every dirty region but keeps host copies (tier HOST_AND_NVME).
+- A TierStore registers its pool's segments with an io_uring engine (pinned once) and
+  unregisters them at ``close()``; the pool must outlive the store.
+- ``engine.stats()`` is a dict of totals; ``store.placements(name)`` says where a region's
+  NVMe copy lies (``Placement`` tuples).
 - Errors: ``TierFullError`` (no room: host pool, swap extents, or ENOSPC on the file system),
   ``SwapIOError`` (an OSError: a failed, short or truncated transfer, a deleted swap file,
   a missing or unwritable path), ``ChecksumError`` (a SwapIOError: data changed on disk).

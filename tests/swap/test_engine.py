@@ -209,13 +209,15 @@ def test_auto_picks_io_uring_where_it_works(tmp_path):
 @pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
 def test_registered_buffer_is_used_and_bytes_match(tmp_path, direct):
     with make_engine("io_uring") as e:
-        n = 4 << 20
+        n = 1 << 20  # two of these fit in the default 8 MiB memlock limit of a non-root user
         src, dst = _aligned(n), _aligned(n)
         src[:] = os.urandom(n)
         keep_s, a_src = swap_aio.buffer_address(src)
         keep_d, a_dst = swap_aio.buffer_address(dst)
         slots = [e.register_buffer(a_src, n), e.register_buffer(a_dst, n)]
-        assert None not in slots, "registration failed (memlock limit?)"
+        if None in slots and os.geteuid() != 0:
+            pytest.skip("the memlock limit refuses pinning 2 MiB here")
+        assert None not in slots
         fd = os.open(tmp_path / "r.bin", os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
         try:
             e.submit(swap_aio.OP_WRITE, fd, a_src + 4096, n - 4096, 0).check()
