@@ -126,9 +126,10 @@ def run_grid(points, peers, rounds, log) -> dict:
     return results
 
 
-def pipeline(args, engine_config: IoEngineConfig, path_dir: str, raw_fd: int, raw_pool: HostPool,
+def pipeline(args, engine_config: IoEngineConfig, path_dir: str, raw_pool: HostPool,
              log) -> tuple[list[list[str]], str]:
-    """TierStore evict/prefetch of dirty regions vs the raw engine moving the same bytes of another file."""
+    """TierStore evict/prefetch of dirty regions vs the raw engine moving as many bytes in the same
+    swap file (its second half, which the store's regions never use)."""
     region = args.region_mib * MIB
     total = args.measure_mib * MIB
     names = [f"r{i}" for i in range(total // region)]
@@ -142,7 +143,8 @@ def pipeline(args, engine_config: IoEngineConfig, path_dir: str, raw_fd: int, ra
     engine = open_engine(engine_config)
     name = engine.name
     engine.register_buffer(raw_pool.segments[0].address, raw_pool.segments[0].nbytes)  # the store registers its pool
-    space = SwapSpace(SwapSpaceConfig(paths=[path_dir], capacity_bytes=total), engine=engine)
+    space = SwapSpace(SwapSpaceConfig(paths=[path_dir], capacity_bytes=2 * total), engine=engine)
+    raw_fd = space.files[0].fd
     pool = HostPool(HostPoolConfig(capacity_bytes=total + region))
     try:
         for c in ("crc32c", "none"):  # one store at a time: each fills the swap space
@@ -153,6 +155,7 @@ def pipeline(args, engine_config: IoEngineConfig, path_dir: str, raw_fd: int, ra
                 store.host_view(n)[:] = os.urandom(region)
             store.wait_for_evict(store.evict(names))
             address = raw_pool.segments[0].address
+            engine.submit(aio.OP_WRITE, raw_fd, address, total, total).check()  # written data, as the regions
 
             def store_evict() -> None:
                 for n in names:
@@ -162,9 +165,9 @@ def pipeline(args, engine_config: IoEngineConfig, path_dir: str, raw_fd: int, ra
             for rnd in range(args.rounds):  # the pairs run adjacent, in an order that alternates
                 pairs = [
                     [(f"store {c} prefetch", lambda: store.wait_for_prefetch(store.prefetch(names))),
-                     (f"raw read {c}", lambda: engine.submit(aio.OP_READ, raw_fd, address, total, 0).check())],
+                     (f"raw read {c}", lambda: engine.submit(aio.OP_READ, raw_fd, address, total, total).check())],
                     [(f"store {c} evict", store_evict),
-                     (f"raw write {c}", lambda: engine.submit(aio.OP_WRITE, raw_fd, address, total, 0).check())],
+                     (f"raw write {c}", lambda: engine.submit(aio.OP_WRITE, raw_fd, address, total, total).check())],
                 ]
                 for pair in pairs:
                     for label, fn in (pair if rnd % 2 == 0 else pair[::-1]):
@@ -282,7 +285,7 @@ def main() -> None:
         pbs, pqd, pt = args.pipeline_engine.split(",")
         pipe_cfg = IoEngineConfig(kind="auto", block_size_bytes=parse_sizes(pbs)[0], queue_depth=int(pqd),
                                   num_threads=int(pt))
-        pipe_rows, pipe_engine = pipeline(args, pipe_cfg, work, fd, pool, log)
+        pipe_rows, pipe_engine = pipeline(args, pipe_cfg, work, pool, log)
         crc_rows = checksums(pool, args.rounds)
     finally:
         for peer in raw.values():
@@ -350,7 +353,7 @@ def main() -> None:
         "",
         table(["rw", "engine", "geomean", "min", "max", "points >= 0.95", "points"], geo) if fio else "(no fio)",
         "",
-        "## TierStore pipeline against the raw engine "
+        "## TierStore pipeline against the raw engine on the same swap file "
         f"({args.region_mib} MiB regions, chunk {args.chunk_mib} MiB, engine {pipe_engine} (auto's choice) {args.pipeline_engine})",
         "",
         table(["pipeline", "GB/s", "raw engine GB/s", "paired ratio", "min-max"], pipe_rows),
