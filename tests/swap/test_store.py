@@ -282,3 +282,19 @@ def test_store_on_tmpfs_with_the_engine_auto_picks():
     finally:
         engine.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_store_registers_its_pool_with_io_uring_and_lets_go_at_close(tmp_path):
+    with make_engine("io_uring") as engine:
+        with _make_store(engine, [tmp_path], host_bytes=4 << 20, swap_bytes=4 << 20) as store:
+            if store._buffer_slots == [None] and os.geteuid() != 0:
+                pytest.skip("the memlock limit refuses pinning the pool here")
+            assert store._buffer_slots == [0]
+            data = _fill(store, [(1 << 20) + 3])
+            store.wait_for_evict(store.evict(["r0"]))
+            store.wait_for_prefetch(store.prefetch(["r0"]))
+            assert bytes(store.host_view("r0")) == data["r0"]
+            assert engine.stats()["blocks_registered"] >= 2 * 5  # 1 MiB + 3 is 5 blocks of 256 KiB each way
+        # closed: the slot is free for the next store
+        with _make_store(engine, [tmp_path], host_bytes=4 << 20, swap_bytes=4 << 20) as again:
+            assert again._buffer_slots == [0]
