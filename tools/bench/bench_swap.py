@@ -55,7 +55,8 @@ def size_label(n: int) -> str:
     return f"{n // MIB}M" if n % MIB == 0 else f"{n // KIB}K"
 
 
-def fio_gbps(path: str, rw: str, bs: int, qd: int, threads: int, nbytes: int, engine: str) -> float:
+def fio_gbps(path: str, rw: str, bs: int, qd: int, threads: int, nbytes: int, engine: str,
+             shared_memory: bool = False) -> float:
     """fio's bandwidth (GB/s, 1e9) for the same bytes of the same file, O_DIRECT."""
     share = nbytes // threads
     cmd = ["fio", "--name=peer", f"--filename={path}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}",
@@ -63,6 +64,8 @@ def fio_gbps(path: str, rw: str, bs: int, qd: int, threads: int, nbytes: int, en
            "--direct=1", f"--ioengine={engine}", "--group_reporting", "--output-format=json"]
     if engine == "io_uring":
         cmd.append("--fixedbufs")  # fio's best io_uring: buffers registered once, as ours are
+    if shared_memory:
+        cmd.append("--iomem=mmapshared")  # shared memory, as our pool is (fio's default is malloc)
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
     return job["read" if rw == "read" else "write"]["bw_bytes"] / 1e9
@@ -244,6 +247,9 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=8, help="TierStore chunk_bytes")
     ap.add_argument("--pipeline-engine", default="1m,32,1", help="block size,queue depth,threads of the pipeline")
     ap.add_argument("--no-fio-io-uring", action="store_true", help="run fio with libaio only")
+    ap.add_argument("--fio-shared-memory", action="store_true",
+                    help="also run fio io_uring --fixedbufs into shared memory (--iomem=mmapshared), like our pool")
+    ap.add_argument("--points", help="only these rw:block:QD:threads points, e.g. read:8m:64:1,write:1m:16:1")
     ap.add_argument("--out", help="also write the markdown report here")
     ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = ap.parse_args()
@@ -267,6 +273,9 @@ def main() -> None:
             if not args.no_fio_io_uring:
                 peers["fio io_uring fixedbufs"] = lambda rw, bs, qd, t: fio_gbps(path, rw, bs, qd, t, nbytes,
                                                                                  "io_uring")
+            if args.fio_shared_memory:
+                peers["fio io_uring fixedbufs shm"] = lambda rw, bs, qd, t: fio_gbps(path, rw, bs, qd, t, nbytes,
+                                                                                     "io_uring", True)
         for k, peer in raw.items():
             peers[f"ours {k}"] = peer.gbps
         grid = [(rw, bs, qd, 1) for bs in parse_sizes(args.block_sizes)
@@ -274,6 +283,11 @@ def main() -> None:
         sbs, sqd = args.thread_sweep_point.split(",")
         sweep = [(rw, parse_sizes(sbs)[0], int(sqd), int(t)) for t in args.threads.split(",") for rw in ("read", "write")]
         points = grid + [p for p in sweep if p not in grid]
+        if args.points:
+            points = []
+            for spec in args.points.split(","):
+                rw, bs, qd, t = spec.split(":")
+                points.append((rw, parse_sizes(bs)[0], int(qd), int(t)))
         log(f"{len(points)} points x {len(peers)} peers x {args.rounds} rounds on {path}")
         results = run_grid(points, peers, args.rounds, log)
         fios = [p for p in peers if p.startswith("fio")]
