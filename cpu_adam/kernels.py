@@ -22,7 +22,8 @@ from typing import Sequence
 
 import torch
 
-from csrc import BuildError, ConfigError, raise_errno
+from csrc import ConfigError, raise_errno
+from csrc.loader import load_extension
 
 logger = logging.getLogger(__name__)
 
@@ -39,23 +40,7 @@ __all__ = [
 ]
 
 ABI_VERSION = 1
-_REBUILD = "rebuild it with `pip install -e .` (or `pip install .`) from the project root"
-
-try:
-    from csrc._adam import ffi, lib
-except ImportError as exc:  # pragma: no cover - exercised only on a broken install
-    raise BuildError(f"the compiled Adam kernels (csrc._adam) are missing: {exc}; {_REBUILD}") from exc
-
-
-
-def check_build(built_abi: int) -> None:
-    """Raise BuildError unless the compiled library is the ABI this code was written for."""
-    if built_abi != ABI_VERSION:
-        raise BuildError(f"csrc._adam is a stale build (ABI {built_abi}, this code needs "
-                         f"{ABI_VERSION}); {_REBUILD}")
-
-
-check_build(lib.ofl_adam_abi_version())
+ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 
 class Isa(enum.IntEnum):
