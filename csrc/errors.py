@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["OffloadError", "ConfigError", "BuildError", "raise_errno"]
+__all__ = [
+    "OffloadError",
+    "ConfigError",
+    "BuildError",
+    "DaemonNotRunningError",
+    "ProtocolError",
+    "QuotaExceededError",
+    "SessionError",
+    "raise_errno",
+]
 
 
 class OffloadError(Exception):
@@ -22,6 +31,22 @@ class ConfigError(OffloadError, ValueError):
 
 class BuildError(OffloadError, ImportError):
     """The compiled C extension is missing or stale; the message says how to rebuild."""
+
+
+class DaemonNotRunningError(OffloadError, ConnectionError):
+    """No daemon answers on the socket path (or it went away); the message names the path."""
+
+
+class ProtocolError(OffloadError):
+    """A message broke the daemon protocol (bad framing, version, kind or field); says which."""
+
+
+class QuotaExceededError(OffloadError, MemoryError):
+    """A session asked for more host memory than its quota (or the node pool) has left."""
+
+
+class SessionError(OffloadError):
+    """A session cannot be opened or reattached (already attached, unknown, or refused)."""
 
 
 def raise_errno(rc: int, what: str) -> None:

@@ -1,0 +1,247 @@
+"""``TierClient``: the ``TierStore`` verbs, served by the node daemon.
+
+A training process opens a session (``TierClient(TierClientConfig(...))``), maps its
+segments once, and then calls the same verbs as on a local ``TierStore``:
+``allocate``, ``host_view``, ``mark_dirty``, ``prefetch`` / ``wait_for_prefetch``,
+``evict`` / ``wait_for_evict``, ``flush``, ``free``, ``stats``, ``close``. Errors the
+daemon reports are raised as the same classes a local store raises (the protocol's
+error replies name the class). ``host_view`` is a view into the daemon's memory: no
+payload crosses the socket and nothing is copied.
+
+``close()`` ends the session now (its memory and extents are freed, as a local
+store's ``close`` does); ``detach()`` only drops the connection, and the daemon keeps
+the session for its grace period so that a new ``TierClient`` with the same job id and
+rank gets it back.
+"""
+from __future__ import annotations
+
+import builtins
+import errno as errno_mod
+import itertools
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import csrc.errors as errors
+from csrc.errors import ConfigError, DaemonNotRunningError, OffloadError, ProtocolError
+from daemon.backend import region_from_wire, stats_from_wire
+from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Frame, Kind, decode_body, encode_frame
+from daemon.shm import SegmentMap, recv_with_fds
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TierClientConfig", "TierClient", "DaemonConnection", "daemon_status"]
+
+_BUILTIN_ERRORS = {"KeyError", "ValueError", "TypeError", "TimeoutError", "OSError", "MemoryError",
+                   "PermissionError", "FileNotFoundError", "RuntimeError", "IndexError"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierClientConfig:
+    """How a training process reaches its node's daemon."""
+
+    socket_path: str = "/run/offload/daemon.sock"
+    """The daemon's Unix socket."""
+    job_id: str = "default"
+    """Names the training job; with ``rank`` it names the session (and its reattach)."""
+    rank: int = 0
+    """This process's rank on the node."""
+    quota_bytes: int = 0
+    """Host memory to ask for; 0 takes the daemon's default."""
+    timeout_seconds: float = 60.0
+    """Longest wait for a reply (waits with their own timeout add it to this)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.quota_bytes < 0 or self.timeout_seconds <= 0:
+            raise ConfigError("TierClientConfig: rank and quota_bytes must be >= 0, timeout_seconds > 0")
+
+
+def _error_from_reply(body: dict[str, Any]) -> BaseException:
+    name, message = str(body.get("error", "OffloadError")), str(body.get("message", ""))
+    if name in ("OSError", "PermissionError", "FileNotFoundError") and "errno" in body:
+        code = int(body["errno"])
+        return OSError(code, message or errno_mod.errorcode.get(code, ""))
+    cls = getattr(errors, name, None)
+    if cls is None:
+        try:
+            import swap
+            cls = getattr(swap, name, None)
+        except ImportError:
+            cls = None
+    if cls is None and name in _BUILTIN_ERRORS:
+        cls = getattr(builtins, name)
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        return cls(message)
+    return OffloadError(f"{name}: {message}")
+
+
+class DaemonConnection:
+    """One blocking connection to the daemon: send a request, read its one reply."""
+
+    def __init__(self, socket_path: str, timeout_seconds: float) -> None:
+        self._timeout = timeout_seconds
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout_seconds)
+        try:
+            self._sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            self._sock.close()
+            raise DaemonNotRunningError(f"no offload daemon on {socket_path} ({exc.strerror})") from None
+        self._buf = bytearray()
+        self._fds: list[int] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def request(self, kind: Kind, body: dict[str, Any] | None = None, wait_seconds: float | None = 0.0) -> tuple[dict[str, Any], list[int]]:
+        """Send one request and return its reply body (and fds); raise its error."""
+        with self._lock:
+            request_id = next(self._ids)
+            timeout = None if wait_seconds is None else self._timeout + wait_seconds
+            self._sock.settimeout(timeout)
+            try:
+                self._sock.sendall(encode_frame(kind, request_id, body))
+                frame = self._read_frame()
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise DaemonNotRunningError(f"the daemon closed the connection ({exc.strerror})") from None
+            except socket.timeout:
+                raise TimeoutError(f"no reply to {kind.name} within {timeout} s") from None
+            fds, self._fds = self._fds, []
+        if frame.request_id != request_id:
+            raise ProtocolError(f"reply to request {frame.request_id}, expected {request_id}")
+        reply = decode_body(frame)
+        if frame.flags & Flag.ERROR:
+            raise _error_from_reply(reply)
+        return reply, fds
+
+    def _read_frame(self) -> Frame:
+        while True:
+            if len(self._buf) >= HEADER.size:
+                nbytes, kind, flags, request_id = HEADER.unpack_from(self._buf)
+                end = HEADER.size + nbytes
+                if len(self._buf) >= end:
+                    frame = Frame(kind, flags, request_id, bytes(self._buf[HEADER.size:end]))
+                    del self._buf[:end]
+                    return frame
+            data, fds = recv_with_fds(self._sock, 1 << 16)
+            self._fds.extend(fds)
+            if not data:
+                raise DaemonNotRunningError("the daemon closed the connection")
+            self._buf += data
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def daemon_status(socket_path: str, timeout_seconds: float = 10.0) -> dict[str, Any]:
+    """The daemon's STATUS reply (what ``offload status`` prints); no session needed."""
+    conn = DaemonConnection(socket_path, timeout_seconds)
+    try:
+        return conn.request(Kind.STATUS)[0]
+    finally:
+        conn.close()
+
+
+class TierClient:
+    """The TierStore interface over a daemon session; see the module docstring."""
+
+    def __init__(self, config: TierClientConfig) -> None:
+        self.config = config
+        self._conn = DaemonConnection(config.socket_path, config.timeout_seconds)
+        try:
+            reply, fds = self._conn.request(Kind.HELLO, {"version": PROTOCOL_VERSION, "job_id": config.job_id,
+                                                         "rank": config.rank, "quota_bytes": config.quota_bytes})
+            self._segments = SegmentMap(fds, [s["nbytes"] for s in reply["segments"]])
+        except BaseException:
+            self._conn.close()
+            raise
+        self.session_id: int = reply["session_id"]
+        self.reattached: bool = reply["reattached"]
+        self.quota_bytes: int = reply["quota_bytes"]
+        self._regions: dict[str, Any] = {r["name"]: region_from_wire(r) for r in reply["regions"]}
+        self._stale: set[str] = set(self._regions)
+        self._closed = False
+
+    # -- the TierStore verbs ----------------------------------------------------------
+    def allocate(self, name: str, nbytes: int) -> Any:
+        info = region_from_wire(self._conn.request(Kind.ALLOCATE, {"name": name, "nbytes": int(nbytes)})[0]["region"])
+        self._regions[name] = info
+        self._stale.discard(name)
+        return info
+
+    def host_view(self, name: str) -> np.ndarray:
+        """A writable uint8 array over the region's bytes in the daemon's shared memory."""
+        if name not in self._regions or name in self._stale:
+            self._regions[name] = region_from_wire(self._conn.request(Kind.REGION, {"name": name})[0]["region"])
+            self._stale.discard(name)
+        info = self._regions[name]
+        view = self._segments.view(info.segment_index, info.offset, info.nbytes)
+        return np.frombuffer(view, dtype=np.uint8)
+
+    def mark_dirty(self, name: str) -> None:
+        self._conn.request(Kind.MARK_DIRTY, {"name": name})
+
+    def prefetch(self, names: list[str]) -> int:
+        self._stale.update(names)
+        return self._conn.request(Kind.PREFETCH, {"names": list(names)})[0]["handle"]
+
+    def wait_for_prefetch(self, handle: int, timeout_seconds: float | None = None) -> None:
+        self._conn.request(Kind.WAIT_PREFETCH, {"handle": handle, "timeout_seconds": timeout_seconds},
+                           wait_seconds=timeout_seconds)
+
+    def evict(self, names: list[str]) -> int:
+        self._stale.update(names)
+        return self._conn.request(Kind.EVICT, {"names": list(names)})[0]["handle"]
+
+    def wait_for_evict(self, handle: int, timeout_seconds: float | None = None) -> None:
+        self._conn.request(Kind.WAIT_EVICT, {"handle": handle, "timeout_seconds": timeout_seconds},
+                           wait_seconds=timeout_seconds)
+
+    def flush(self) -> None:
+        self._conn.request(Kind.FLUSH, wait_seconds=None)
+
+    def free(self, name: str) -> None:
+        self._conn.request(Kind.FREE, {"name": name})
+        self._regions.pop(name, None)
+        self._stale.discard(name)
+
+    def stats(self) -> Any:
+        return stats_from_wire(self._conn.request(Kind.STATS)[0]["stats"])
+
+    def close(self) -> None:
+        """End the session: the daemon frees its memory and extents now."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._conn.request(Kind.BYE, wait_seconds=None)
+        finally:
+            self._release()
+
+    # -- daemon extras ----------------------------------------------------------------
+    def detach(self) -> None:
+        """Drop the connection but keep the session for the daemon's grace period."""
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+    def report_step(self, seconds: float) -> None:
+        """Tell the daemon how long an optimizer step took (for its metrics)."""
+        self._conn.request(Kind.REPORT_STEP, {"seconds": float(seconds)})
+
+    def ping(self) -> None:
+        self._conn.request(Kind.PING)
+
+    def _release(self) -> None:
+        self._regions.clear()
+        self._segments.close()
+        self._conn.close()
+
+    def __enter__(self) -> "TierClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,224 @@
+"""The daemon's control protocol over a Unix stream socket.
+
+Transport
+---------
+A client connects to the daemon's Unix socket (mode 0660; the daemon checks the peer's
+uid with SO_PEERCRED and closes the connection of a uid it does not allow). Both sides
+send *frames*. Payloads (tensor bytes) never travel on the socket: they live in the
+session's shared-memory segments (see ``daemon.shm``).
+
+Frame layout (little-endian, 16-byte header, then the body)::
+
+    offset  size  field
+    0       4     body_nbytes   u32   length of the body that follows the header
+    4       2     kind          u16   a ``Kind`` value; a reply repeats its request's kind
+    6       2     flags         u16   bit 0 REPLY, bit 1 ERROR, bit 2 FDS (fds ride with this frame)
+    8       8     request_id    u64   chosen by the client; echoed in exactly one reply
+    16      n     body          UTF-8 JSON object (n == body_nbytes; ``{}`` may be sent as n=0)
+
+Rules
+-----
+* The first request on a connection is HELLO (or STATUS, which needs no session).
+  Its body carries ``version``; a version the daemon does not speak gets an error reply
+  and the connection is closed.
+* Every request gets exactly one reply with the same ``request_id``: a REPLY frame with
+  the fields listed below, or a REPLY|ERROR frame with ``{"error", "message", "errno"?}``.
+  ``error`` names a class of ``csrc.errors`` (``ProtocolError``, ``QuotaExceededError``,
+  ``SessionError``...) or one of ``KeyError``, ``ValueError``, ``TimeoutError``,
+  ``OSError``; ``TierClient`` raises that class again, so callers see what a local
+  ``TierStore`` would raise.
+* A header whose ``body_nbytes`` exceeds the daemon's ``max_message_bytes`` gets an error
+  reply and the connection is closed (framing can no longer be trusted). A body that is
+  not a JSON object, an unknown kind, a missing, extra or ill-typed field gets an error
+  reply and the connection goes on. A connection that ends mid-frame is dropped. None
+  of this touches any other session.
+* The HELLO reply carries the session's memfd segments as SCM_RIGHTS ancillary data on
+  the frame's first byte (FDS flag set), in the order of its ``segments`` list.
+
+Messages (request fields -> reply fields)
+-----------------------------------------
+==============  ==========================================  ======================================
+kind            request                                     reply
+==============  ==========================================  ======================================
+HELLO 1         version, job_id str, rank int,              version, session_id, reattached bool,
+                quota_bytes int (0: daemon default)         quota_bytes, segments [{index,nbytes}]
+ALLOCATE 2      name, nbytes                                region {name,nbytes,segment_index,
+                                                            offset,tier}
+FREE 3          name                                        {}
+MARK_DIRTY 4    name                                        {}
+REGION 5        name                                        region (as ALLOCATE)
+PREFETCH 6      names [str]                                 handle int
+WAIT_PREFETCH 7 handle, timeout_seconds (null: no limit)    {}
+EVICT 8         names [str]                                 handle int
+WAIT_EVICT 9    handle, timeout_seconds                     {}
+FLUSH 10        {}                                          {}
+STATS 11        {}                                          stats {field: value} (TierStats)
+REPORT_STEP 12  seconds float (an optimizer step's time)    {}
+PING 13         {}                                          {}
+STATUS 14       {}                                          node-wide status (``offload status``)
+BYE 15          {}                                          {} and the session is closed now
+==============  ==========================================  ======================================
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import struct
+from typing import Any, NamedTuple
+
+from csrc.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "HEADER",
+    "Kind",
+    "Flag",
+    "Frame",
+    "FrameDecoder",
+    "encode_frame",
+    "decode_body",
+    "check_fields",
+    "error_body",
+]
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<IHHQ")
+"""body_nbytes u32, kind u16, flags u16, request_id u64: 16 bytes."""
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    ALLOCATE = 2
+    FREE = 3
+    MARK_DIRTY = 4
+    REGION = 5
+    PREFETCH = 6
+    WAIT_PREFETCH = 7
+    EVICT = 8
+    WAIT_EVICT = 9
+    FLUSH = 10
+    STATS = 11
+    REPORT_STEP = 12
+    PING = 13
+    STATUS = 14
+    BYE = 15
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    REPLY = 1
+    ERROR = 2
+    FDS = 4
+
+
+class Frame(NamedTuple):
+    kind: int
+    flags: int
+    request_id: int
+    body: bytes
+
+
+_OPT_NUM = (int, float, type(None))
+# Request fields per kind: name -> accepted types. Every field is required.
+REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
+    Kind.HELLO: {"version": (int,), "job_id": (str,), "rank": (int,), "quota_bytes": (int,)},
+    Kind.ALLOCATE: {"name": (str,), "nbytes": (int,)},
+    Kind.FREE: {"name": (str,)},
+    Kind.MARK_DIRTY: {"name": (str,)},
+    Kind.REGION: {"name": (str,)},
+    Kind.PREFETCH: {"names": (list,)},
+    Kind.WAIT_PREFETCH: {"handle": (int,), "timeout_seconds": _OPT_NUM},
+    Kind.EVICT: {"names": (list,)},
+    Kind.WAIT_EVICT: {"handle": (int,), "timeout_seconds": _OPT_NUM},
+    Kind.FLUSH: {},
+    Kind.STATS: {},
+    Kind.REPORT_STEP: {"seconds": (int, float)},
+    Kind.PING: {},
+    Kind.STATUS: {},
+    Kind.BYE: {},
+}
+
+
+def encode_frame(kind: int, request_id: int, body: dict[str, Any] | None = None, flags: int = 0) -> bytes:
+    """One frame: header and JSON body."""
+    payload = json.dumps(body, separators=(",", ":")).encode() if body else b""
+    return HEADER.pack(len(payload), int(kind), int(flags), request_id) + payload
+
+
+def decode_body(frame: Frame) -> dict[str, Any]:
+    """The body of ``frame`` as a dict; ``ProtocolError`` when it is not a JSON object."""
+    if not frame.body:
+        return {}
+    try:
+        body = json.loads(frame.body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"request {frame.request_id}: body is not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"request {frame.request_id}: body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_fields(kind: int, body: dict[str, Any]) -> Kind:
+    """Validate a request body against its kind; returns the ``Kind``."""
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind}") from None
+    spec = REQUEST_FIELDS[k]
+    for name in body:
+        if name not in spec:
+            raise ProtocolError(f"{k.name}: unknown field {name!r}")
+    for name, types in spec.items():
+        if name not in body:
+            raise ProtocolError(f"{k.name}: missing field {name!r}")
+        value = body[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ProtocolError(f"{k.name}: field {name!r} has type {type(value).__name__}")
+    if "names" in spec and not all(isinstance(n, str) for n in body["names"]):
+        raise ProtocolError(f"{k.name}: field 'names' must be a list of strings")
+    return k
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """The body of an error reply for ``exc``."""
+    body: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc.args[0]) if
+                            isinstance(exc, KeyError) and exc.args else str(exc)}
+    if isinstance(exc, OSError) and exc.errno is not None:
+        body["errno"] = exc.errno
+        body["message"] = exc.strerror or str(exc)
+    return body
+
+
+class FrameDecoder:
+    """Splits a byte stream into frames; raises ``ProtocolError`` on an oversized header.
+
+    After an oversized header the stream cannot be re-synchronised: the caller replies
+    with an error (``oversized_request_id``) and closes the connection.
+    """
+
+    def __init__(self, max_body_bytes: int) -> None:
+        self._max = max_body_bytes
+        self._buf = bytearray()
+        self.oversized_request_id: int | None = None
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buf += data
+        frames: list[Frame] = []
+        while len(self._buf) >= HEADER.size:
+            nbytes, kind, flags, request_id = HEADER.unpack_from(self._buf)
+            if nbytes > self._max:
+                self.oversized_request_id = request_id
+                raise ProtocolError(f"request {request_id}: body of {nbytes} bytes exceeds {self._max}")
+            end = HEADER.size + nbytes
+            if len(self._buf) < end:
+                break
+            frames.append(Frame(kind, flags, request_id, bytes(self._buf[HEADER.size:end])))
+            del self._buf[:end]
+        return frames
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)
