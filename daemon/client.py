@@ -20,6 +20,7 @@ import errno as errno_mod
 import itertools
 import logging
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +81,14 @@ def _error_from_reply(body: dict[str, Any]) -> BaseException:
 
 
 class DaemonConnection:
-    """One blocking connection to the daemon: send a request, read its one reply."""
+    """One blocking connection to the daemon: send a request, read its one reply.
+
+    [Note: client round trip] The socket stays in blocking mode and the reply timeout is
+    the kernel's SO_RCVTIMEO, set only when it changes: Python's own socket timeouts put
+    a poll() and two fcntl() calls around every request, which cost more here than the
+    daemon's whole handling of a small request. Only the HELLO reply carries fds, so only
+    it is read with recvmsg and an ancillary buffer.
+    """
 
     def __init__(self, socket_path: str, timeout_seconds: float) -> None:
         self._timeout = timeout_seconds
@@ -91,46 +99,65 @@ class DaemonConnection:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self._sock.close()
             raise DaemonNotRunningError(f"no offload daemon on {socket_path} ({exc.strerror})") from None
+        self._sock.settimeout(None)
+        self._rcvtimeo: float | None = -1.0
         self._buf = bytearray()
         self._fds: list[int] = []
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+
+    def _set_timeout(self, seconds: float | None) -> None:
+        if seconds == self._rcvtimeo:
+            return
+        whole, frac = divmod(seconds or 0.0, 1.0)  # 0 means no limit to the kernel
+        timeval = struct.pack("ll", int(whole), int(frac * 1e6))
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        self._rcvtimeo = seconds
 
     def request(self, kind: Kind, body: dict[str, Any] | None = None, wait_seconds: float | None = 0.0) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return its reply body (and fds); raise its error."""
         with self._lock:
             request_id = next(self._ids)
             timeout = None if wait_seconds is None else self._timeout + wait_seconds
-            self._sock.settimeout(timeout)
+            self._set_timeout(timeout)
             try:
                 self._sock.sendall(encode_frame(kind, request_id, body))
-                frame = self._read_frame()
+                frame = self._read_frame(with_fds=kind is Kind.HELLO)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise DaemonNotRunningError(f"the daemon closed the connection ({exc.strerror})") from None
-            except socket.timeout:
-                raise TimeoutError(f"no reply to {kind.name} within {timeout} s") from None
+            except (BlockingIOError, socket.timeout):
+                self._sock.close()  # a late reply would be read as the next one's: this connection is done
+                raise TimeoutError(f"no reply to {kind.name} within {timeout} s; connection closed") from None
+            except OSError as exc:
+                if exc.errno == errno_mod.EBADF:
+                    raise DaemonNotRunningError("this connection to the daemon is closed") from None
+                raise
             fds, self._fds = self._fds, []
         if frame.request_id != request_id:
             raise ProtocolError(f"reply to request {frame.request_id}, expected {request_id}")
-        reply = decode_body(frame)
         if frame.flags & Flag.ERROR:
-            raise _error_from_reply(reply)
-        return reply, fds
+            raise _error_from_reply(decode_body(frame))
+        return (decode_body(frame) if frame.body else {}), fds
 
-    def _read_frame(self) -> Frame:
+    def _read_frame(self, with_fds: bool) -> Frame:
+        buf = self._buf
         while True:
-            if len(self._buf) >= HEADER.size:
-                nbytes, kind, flags, request_id = HEADER.unpack_from(self._buf)
+            if len(buf) >= HEADER.size:
+                nbytes, kind, flags, request_id = HEADER.unpack_from(buf)
                 end = HEADER.size + nbytes
-                if len(self._buf) >= end:
-                    frame = Frame(kind, flags, request_id, bytes(self._buf[HEADER.size:end]))
-                    del self._buf[:end]
+                if len(buf) >= end:
+                    frame = Frame(kind, flags, request_id, bytes(buf[HEADER.size:end]))
+                    del buf[:end]
                     return frame
-            data, fds = recv_with_fds(self._sock, 1 << 16)
-            self._fds.extend(fds)
+            if with_fds:
+                data, fds = recv_with_fds(self._sock, 1 << 16)
+                self._fds.extend(fds)
+            else:
+                data = self._sock.recv(1 << 16)
             if not data:
                 raise DaemonNotRunningError("the daemon closed the connection")
-            self._buf += data
+            buf += data
 
     def close(self) -> None:
         self._sock.close()

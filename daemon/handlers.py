@@ -203,10 +203,11 @@ class Handlers:
         }
 
 
+_SESSIONLESS = frozenset({Kind.PING, Kind.STATUS, Kind.HELLO})
+
+
 def needs_session(kind: Kind) -> bool:
-    if kind in (Kind.PING, Kind.STATUS, Kind.HELLO):
-        return False
-    return True
+    return kind not in _SESSIONLESS
 
 
 def no_session_error(kind: Kind) -> ProtocolError:

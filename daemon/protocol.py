@@ -161,13 +161,17 @@ def decode_body(frame: Frame) -> dict[str, Any]:
     return body
 
 
+_KINDS = {int(k): k for k in Kind}
+
+
 def check_fields(kind: int, body: dict[str, Any]) -> Kind:
     """Validate a request body against its kind; returns the ``Kind``."""
-    try:
-        k = Kind(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown message kind {kind}") from None
+    k = _KINDS.get(kind)
+    if k is None:
+        raise ProtocolError(f"unknown message kind {kind}")
     spec = REQUEST_FIELDS[k]
+    if not spec and not body:
+        return k
     for name in body:
         if name not in spec:
             raise ProtocolError(f"{k.name}: unknown field {name!r}")

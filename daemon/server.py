@@ -111,7 +111,7 @@ class _Connection(asyncio.Protocol):
             fn = self.server.handler_table[kind]
             if kind in SYNC_KINDS:
                 self.reply(frame, fn(self.session, body))  # type: ignore[arg-type]
-                self.server.metrics.request_seconds.labels(kind=kind.name).observe(time.perf_counter() - t0)
+                self.server.request_seconds[kind].observe(time.perf_counter() - t0)
             else:
                 self.spawn(self.run_async(frame, kind, fn(self.session, body), t0))
         except (OffloadError, KeyError, ValueError, TypeError, TimeoutError, OSError, MemoryError) as exc:
@@ -139,7 +139,7 @@ class _Connection(asyncio.Protocol):
             if kind is Kind.BYE:
                 self.session = None
             self.reply(frame, body)
-        self.server.metrics.request_seconds.labels(kind=kind.name).observe(time.perf_counter() - t0)
+        self.server.request_seconds[kind].observe(time.perf_counter() - t0)
 
     async def hello(self, frame: Frame, body: dict[str, Any], t0: float) -> None:
         try:
@@ -162,7 +162,7 @@ class _Connection(asyncio.Protocol):
                  "regions": list(session.regions.values())}
         data = encode_frame(Kind.HELLO, frame.request_id, reply, Flag.REPLY | Flag.FDS)
         await self.send_fds(data, [seg.fd for seg in session.segments])
-        self.server.metrics.request_seconds.labels(kind="HELLO").observe(time.perf_counter() - t0)
+        self.server.request_seconds[Kind.HELLO].observe(time.perf_counter() - t0)
 
     async def send_fds(self, data: bytes, fds: list[int]) -> None:
         """Send ``data`` with ``fds`` on the transport's socket, in order with other writes."""
@@ -200,6 +200,8 @@ class DaemonServer:
         self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler, self._changed)
         self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics)
         self.handler_table = self.handlers.table()
+        # Labelled children looked up once: labels() costs more than the observation.
+        self.request_seconds = {k: self.metrics.request_seconds.labels(kind=k.name) for k in Kind}
         self.connections: set[_Connection] = set()
         self.metrics_port: int | None = None
         self._server: asyncio.AbstractServer | None = None
