@@ -142,10 +142,15 @@ REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
 }
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_DECODER = json.JSONDecoder()
+_pack = HEADER.pack
+
+
 def encode_frame(kind: int, request_id: int, body: dict[str, Any] | None = None, flags: int = 0) -> bytes:
     """One frame: header and JSON body."""
-    payload = json.dumps(body, separators=(",", ":")).encode() if body else b""
-    return HEADER.pack(len(payload), int(kind), int(flags), request_id) + payload
+    payload = _ENCODER.encode(body).encode() if body else b""
+    return _pack(len(payload), kind, flags, request_id) + payload
 
 
 def decode_body(frame: Frame) -> dict[str, Any]:
@@ -153,7 +158,7 @@ def decode_body(frame: Frame) -> dict[str, Any]:
     if not frame.body:
         return {}
     try:
-        body = json.loads(frame.body)
+        body = _DECODER.decode(frame.body.decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(f"request {frame.request_id}: body is not JSON ({exc})") from None
     if not isinstance(body, dict):
@@ -209,18 +214,27 @@ class FrameDecoder:
         self.oversized_request_id: int | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
-        self._buf += data
+        if self._buf:
+            self._buf += data
+            buf: bytes | bytearray = self._buf
+        else:
+            buf = data  # the usual case: whole frames in one read, parsed without a copy
         frames: list[Frame] = []
-        while len(self._buf) >= HEADER.size:
-            nbytes, kind, flags, request_id = HEADER.unpack_from(self._buf)
+        off, end_of_data = 0, len(buf)
+        unpack = HEADER.unpack_from
+        hsize = HEADER.size
+        while end_of_data - off >= hsize:
+            nbytes, kind, flags, request_id = unpack(buf, off)
             if nbytes > self._max:
                 self.oversized_request_id = request_id
+                self._buf = bytearray()
                 raise ProtocolError(f"request {request_id}: body of {nbytes} bytes exceeds {self._max}")
-            end = HEADER.size + nbytes
-            if len(self._buf) < end:
+            end = off + hsize + nbytes
+            if end > end_of_data:
                 break
-            frames.append(Frame(kind, flags, request_id, bytes(self._buf[HEADER.size:end])))
-            del self._buf[:end]
+            frames.append(Frame(kind, flags, request_id, bytes(buf[off + hsize:end])))
+            off = end
+        self._buf = bytearray(buf[off:]) if off < end_of_data else bytearray()
         return frames
 
     @property
