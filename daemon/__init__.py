@@ -9,7 +9,7 @@ verbs of ``swap.TierStore``. Layout: ``protocol`` (messages and byte layouts), `
 """
 from daemon.client import TierClient, TierClientConfig, daemon_status
 from daemon.config import (DaemonConfig, MetricsConfig, PoolConfig, SchedulerConfig, ServerConfig, SessionConfig,
-                           SwapConfig, load_config)
+                           load_config)
 from daemon.metrics import DaemonMetrics
 from daemon.server import DaemonServer, run_daemon
 
@@ -22,7 +22,6 @@ __all__ = [
     "PoolConfig",
     "SessionConfig",
     "SchedulerConfig",
-    "SwapConfig",
     "MetricsConfig",
     "load_config",
     "DaemonMetrics",

@@ -23,9 +23,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import Any, Iterable, NamedTuple
 
 import csrc.errors as errors
 from csrc.errors import ConfigError, DaemonNotRunningError, OffloadError, ProtocolError
@@ -63,9 +61,6 @@ class TierClientConfig:
 
 def _error_from_reply(body: dict[str, Any]) -> BaseException:
     name, message = str(body.get("error", "OffloadError")), str(body.get("message", ""))
-    if name in ("OSError", "PermissionError", "FileNotFoundError") and "errno" in body:
-        code = int(body["errno"])
-        return OSError(code, message or errno_mod.errorcode.get(code, ""))
     cls = getattr(errors, name, None)
     if cls is None:
         try:
@@ -76,6 +71,9 @@ def _error_from_reply(body: dict[str, Any]) -> BaseException:
     if cls is None and name in _BUILTIN_ERRORS:
         cls = getattr(builtins, name)
     if isinstance(cls, type) and issubclass(cls, BaseException):
+        if issubclass(cls, OSError) and body.get("errno") is not None:
+            code = int(body["errno"])
+            return cls(code, message or errno_mod.errorcode.get(code, ""))
         return cls(message)
     return OffloadError(f"{name}: {message}")
 
@@ -172,6 +170,29 @@ def daemon_status(socket_path: str, timeout_seconds: float = 10.0) -> dict[str, 
         conn.close()
 
 
+class _SwapFileView(NamedTuple):
+    index: int
+    path: str
+
+
+class _SpaceView(NamedTuple):
+    files: list[_SwapFileView]
+    used_bytes: int
+    capacity_bytes: int
+
+
+class _EngineView:
+    def __init__(self, conn: DaemonConnection) -> None:
+        self._conn = conn
+
+    @property
+    def name(self) -> str:
+        return self._conn.request(Kind.ENGINE)[0]["name"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._conn.request(Kind.ENGINE)[0]["stats"]
+
+
 class TierClient:
     """The TierStore interface over a daemon session; see the module docstring."""
 
@@ -188,40 +209,45 @@ class TierClient:
         self.session_id: int = reply["session_id"]
         self.reattached: bool = reply["reattached"]
         self.quota_bytes: int = reply["quota_bytes"]
-        self._regions: dict[str, Any] = {r["name"]: region_from_wire(r) for r in reply["regions"]}
-        self._stale: set[str] = set(self._regions)
+        self._regions: dict[str, Any] = {}  # placements of host copies, asked for when first viewed
+        self._stale: set[str] = set()
         self._closed = False
 
     # -- the TierStore verbs ----------------------------------------------------------
     def allocate(self, name: str, nbytes: int) -> Any:
-        info = region_from_wire(self._conn.request(Kind.ALLOCATE, {"name": name, "nbytes": int(nbytes)})[0]["region"])
+        info = region_from_wire(self._conn.request(Kind.ALLOCATE, {"name": name, "nbytes": nbytes})[0]["region"])
         self._regions[name] = info
         self._stale.discard(name)
         return info
 
-    def host_view(self, name: str) -> np.ndarray:
-        """A writable uint8 array over the region's bytes in the daemon's shared memory."""
+    def info(self, name: str) -> Any:
+        return region_from_wire(self._conn.request(Kind.REGION, {"name": name, "view": False})[0]["region"])
+
+    def host_view(self, name: str) -> memoryview:
+        """A writable view of the region's bytes in the daemon's shared memory (no copy)."""
         if name not in self._regions or name in self._stale:
-            self._regions[name] = region_from_wire(self._conn.request(Kind.REGION, {"name": name})[0]["region"])
+            self._regions[name] = region_from_wire(
+                self._conn.request(Kind.REGION, {"name": name, "view": True})[0]["region"])
             self._stale.discard(name)
         info = self._regions[name]
-        view = self._segments.view(info.segment_index, info.offset, info.nbytes)
-        return np.frombuffer(view, dtype=np.uint8)
+        return self._segments.view(info.segment_index, info.offset, info.nbytes)
 
     def mark_dirty(self, name: str) -> None:
         self._conn.request(Kind.MARK_DIRTY, {"name": name})
 
-    def prefetch(self, names: list[str]) -> int:
+    def prefetch(self, names: Iterable[str]) -> int:
+        names = list(names)
         self._stale.update(names)
-        return self._conn.request(Kind.PREFETCH, {"names": list(names)})[0]["handle"]
+        return self._conn.request(Kind.PREFETCH, {"names": names})[0]["handle"]
 
     def wait_for_prefetch(self, handle: int, timeout_seconds: float | None = None) -> None:
         self._conn.request(Kind.WAIT_PREFETCH, {"handle": handle, "timeout_seconds": timeout_seconds},
                            wait_seconds=timeout_seconds)
 
-    def evict(self, names: list[str]) -> int:
+    def evict(self, names: Iterable[str]) -> int:
+        names = list(names)
         self._stale.update(names)
-        return self._conn.request(Kind.EVICT, {"names": list(names)})[0]["handle"]
+        return self._conn.request(Kind.EVICT, {"names": names})[0]["handle"]
 
     def wait_for_evict(self, handle: int, timeout_seconds: float | None = None) -> None:
         self._conn.request(Kind.WAIT_EVICT, {"handle": handle, "timeout_seconds": timeout_seconds},
@@ -231,7 +257,7 @@ class TierClient:
         self._conn.request(Kind.FLUSH, wait_seconds=None)
 
     def free(self, name: str) -> None:
-        self._conn.request(Kind.FREE, {"name": name})
+        self._conn.request(Kind.FREE, {"name": name}, wait_seconds=None)
         self._regions.pop(name, None)
         self._stale.discard(name)
 
@@ -247,6 +273,27 @@ class TierClient:
             self._conn.request(Kind.BYE, wait_seconds=None)
         finally:
             self._release()
+
+    def placements(self, name: str) -> list[Any]:
+        """Where the region lies in the swap files (``swap.Placement`` tuples)."""
+        rows = self._conn.request(Kind.PLACEMENTS, {"name": name})[0]["placements"]
+        try:
+            from swap import Placement
+        except ImportError:
+            return [tuple(r) for r in rows]
+        return [Placement(*r) for r in rows]
+
+    @property
+    def engine(self) -> "_EngineView":
+        """The daemon's I/O engine, read only: ``.name`` and ``.stats()`` (shared by all sessions)."""
+        return _EngineView(self._conn)
+
+    @property
+    def space(self) -> "_SpaceView":
+        """The daemon's swap space, read only: ``.files[i].path``, ``.used_bytes``, ``.capacity_bytes``."""
+        reply = self._conn.request(Kind.SPACE)[0]
+        return _SpaceView([_SwapFileView(i, p) for i, p in enumerate(reply["files"])], reply["used_bytes"],
+                          reply["capacity_bytes"])
 
     # -- daemon extras ----------------------------------------------------------------
     def detach(self) -> None:

@@ -3,6 +3,8 @@
 ``load_config(path, overrides)`` is the one function that reads ``node.toml``. The
 file has one table per component; every key maps to a field below, and a key that
 is not a field is a ``ConfigError`` that names it (``[pool] capacty_bytes``).
+The ``[swap]``, ``[io]`` and ``[store]`` tables are the swap package's own config
+dataclasses, passed through; their keys are checked against those classes' fields.
 Command-line flags arrive as ``overrides`` (``{"pool.capacity_bytes": ...}``) and
 win over the file.
 
@@ -22,11 +24,15 @@ reattach_grace_seconds = 60.0
 [scheduler]
 max_inflight_jobs = 2
 
-[swap]
+[swap]                             # the swap package's SwapSpaceConfig, shared by all sessions
 paths = ["/nvme0/offload"]
 capacity_bytes = 107374182400
 
-[io]                               # passed to the swap engine (IoEngineConfig) as is
+[io]                               # its IoEngineConfig (probe_paths default to the swap paths)
+queue_depth = 32
+
+[store]                            # its TierStoreConfig, for each session's store
+checksum = "crc32c"
 
 [metrics]
 address = "127.0.0.1:9464"
@@ -50,7 +56,6 @@ __all__ = [
     "PoolConfig",
     "SessionConfig",
     "SchedulerConfig",
-    "SwapConfig",
     "MetricsConfig",
     "DaemonConfig",
     "load_config",
@@ -134,20 +139,6 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SwapConfig:
-    """NVMe swap space shared by all sessions."""
-
-    paths: tuple[str, ...] = ()
-    """Directories for the preallocated swap files (striped when several)."""
-    capacity_bytes: int = 1 << 30
-    """Total swap space over all paths."""
-
-    def __post_init__(self) -> None:
-        _positive(self, "capacity_bytes")
-        object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
-
-
-@dataclass(frozen=True, kw_only=True)
 class MetricsConfig:
     """The Prometheus endpoint."""
 
@@ -174,13 +165,33 @@ class DaemonConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    swap: SwapConfig = field(default_factory=SwapConfig)
+    swap: Mapping[str, Any] = field(default_factory=dict)
+    """Fields of the swap package's SwapSpaceConfig (paths, capacity_bytes, stripe_bytes, ...)."""
     io: Mapping[str, Any] = field(default_factory=dict)
-    """Fields for the swap package's IoEngineConfig, checked by it."""
+    """Fields of the swap package's IoEngineConfig (kind, block_size_bytes, queue_depth, ...)."""
+    store: Mapping[str, Any] = field(default_factory=dict)
+    """Fields of the swap package's TierStoreConfig (chunk_bytes, checksum), for every session's store."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 _TABLES = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+# Tables passed through to the swap package's own config dataclasses, by their names there.
+_SWAP_TABLES = {"swap": "SwapSpaceConfig", "io": "IoEngineConfig", "store": "TierStoreConfig"}
+
+
+def _check_swap_table(table: str, values: Mapping[str, Any]) -> None:
+    """Unknown keys of a pass-through table are errors too (when the swap package is here to ask)."""
+    try:
+        import swap
+    except ImportError:  # the daemon cannot start without it anyway; it says so then
+        return
+    cls = getattr(swap, _SWAP_TABLES[table], None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ConfigError(f"unknown key [{table}] {key} (known: {', '.join(sorted(names))})")
 
 
 def _build(cls: type, table: str, values: Mapping[str, Any]) -> Any:
@@ -216,7 +227,8 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ConfigError(f"unknown table [{table}] (known: {', '.join(sorted(_TABLES))})")
         if not isinstance(values, dict):
             raise ConfigError(f"[{table}] must be a table, got {values!r}")
-        if table == "io":
+        if table in _SWAP_TABLES:
+            _check_swap_table(table, values)
             built[table] = dict(values)
             continue
         cls = _TABLES[table].default_factory().__class__  # type: ignore[misc]

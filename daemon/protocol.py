@@ -18,14 +18,16 @@ Frame layout (little-endian, 16-byte header, then the body)::
 
 Rules
 -----
-* The first request on a connection is HELLO (or STATUS, which needs no session).
+* The first request on a connection is HELLO (PING, STATUS, ENGINE and SPACE need no
+  session).
   Its body carries ``version``; a version the daemon does not speak gets an error reply
   and the connection is closed.
 * Every request gets exactly one reply with the same ``request_id``: a REPLY frame with
   the fields listed below, or a REPLY|ERROR frame with ``{"error", "message", "errno"?}``.
   ``error`` names a class of ``csrc.errors`` (``ProtocolError``, ``QuotaExceededError``,
-  ``SessionError``...) or one of ``KeyError``, ``ValueError``, ``TimeoutError``,
-  ``OSError``; ``TierClient`` raises that class again, so callers see what a local
+  ``SessionError``, ``TierFullError``, ``SwapIOError``...) or one of ``KeyError``,
+  ``ValueError``, ``TimeoutError``, ``OSError``, with ``errno`` for OSErrors;
+  ``TierClient`` raises that class again, so callers see what a local
   ``TierStore`` would raise.
 * A header whose ``body_nbytes`` exceeds the daemon's ``max_message_bytes`` gets an error
   reply and the connection is closed (framing can no longer be trusted). A body that is
@@ -46,7 +48,8 @@ ALLOCATE 2      name, nbytes                                region {name,nbytes,
                                                             offset,tier}
 FREE 3          name                                        {}
 MARK_DIRTY 4    name                                        {}
-REGION 5        name                                        region (as ALLOCATE)
+REGION 5        name, view bool (true: the client will map     region (as ALLOCATE; tier IN_FLIGHT
+                it, so it must have a host copy)            until the client waited, see handlers)
 PREFETCH 6      names [str]                                 handle int
 WAIT_PREFETCH 7 handle, timeout_seconds (null: no limit)    {}
 EVICT 8         names [str]                                 handle int
@@ -57,6 +60,10 @@ REPORT_STEP 12  seconds float (an optimizer step's time)    {}
 PING 13         {}                                          {}
 STATUS 14       {}                                          node-wide status (``offload status``)
 BYE 15          {}                                          {} and the session is closed now
+PLACEMENTS 16   name                                        placements [[file_index, file_offset,
+                                                            region_offset, nbytes]]
+ENGINE 17       {}                                          name, stats {engine counters}
+SPACE 18        {}                                          files [path], used_bytes, capacity_bytes
 ==============  ==========================================  ======================================
 """
 from __future__ import annotations
@@ -105,6 +112,9 @@ class Kind(enum.IntEnum):
     PING = 13
     STATUS = 14
     BYE = 15
+    PLACEMENTS = 16
+    ENGINE = 17
+    SPACE = 18
 
 
 class Flag(enum.IntFlag):
@@ -128,7 +138,7 @@ REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.ALLOCATE: {"name": (str,), "nbytes": (int,)},
     Kind.FREE: {"name": (str,)},
     Kind.MARK_DIRTY: {"name": (str,)},
-    Kind.REGION: {"name": (str,)},
+    Kind.REGION: {"name": (str,), "view": (bool,)},
     Kind.PREFETCH: {"names": (list,)},
     Kind.WAIT_PREFETCH: {"handle": (int,), "timeout_seconds": _OPT_NUM},
     Kind.EVICT: {"names": (list,)},
@@ -139,6 +149,9 @@ REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PING: {},
     Kind.STATUS: {},
     Kind.BYE: {},
+    Kind.PLACEMENTS: {"name": (str,)},
+    Kind.ENGINE: {},
+    Kind.SPACE: {},
 }
 
 
@@ -184,7 +197,7 @@ def check_fields(kind: int, body: dict[str, Any]) -> Kind:
         if name not in body:
             raise ProtocolError(f"{k.name}: missing field {name!r}")
         value = body[name]
-        if isinstance(value, bool) or not isinstance(value, types):
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise ProtocolError(f"{k.name}: field {name!r} has type {type(value).__name__}")
     if "names" in spec and not all(isinstance(n, str) for n in body["names"]):
         raise ProtocolError(f"{k.name}: field 'names' must be a list of strings")

@@ -78,6 +78,10 @@ class FairScheduler:
     def depth(self, cls: JobClass | None = None) -> int:
         return sum(1 for q in self._queues.values() for j in q if cls is None or j.cls is cls)
 
+    def busy(self, key: Hashable) -> bool:
+        """Whether session ``key`` has a job queued or running."""
+        return key in self._running or bool(self._queues.get(key))
+
     @property
     def inflight(self) -> int:
         return len(self._running)

@@ -158,8 +158,7 @@ class _Connection(asyncio.Protocol):
         self.session = session
         reply = {"version": PROTOCOL_VERSION, "session_id": session.session_id, "reattached": reattached,
                  "quota_bytes": session.quota_bytes,
-                 "segments": [{"index": seg.index, "nbytes": seg.nbytes} for seg in session.segments],
-                 "regions": list(session.regions.values())}
+                 "segments": [{"index": seg.index, "nbytes": seg.nbytes} for seg in session.segments]}
         data = encode_frame(Kind.HELLO, frame.request_id, reply, Flag.REPLY | Flag.FDS)
         await self.send_fds(data, [seg.fd for seg in session.segments])
         self.server.request_seconds[Kind.HELLO].observe(time.perf_counter() - t0)
@@ -194,7 +193,7 @@ class DaemonServer:
                  metrics: DaemonMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or DaemonMetrics()
-        self.backend = backend or SwapBackend(config.pool, config.swap, config.io)
+        self.backend = backend or SwapBackend(config.pool, config.swap, config.io, config.store)
         self.scheduler = FairScheduler(config.scheduler,
                                        on_depth=lambda cls, n: self.metrics.queue_depth.labels(cls.value).set(n))
         self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler, self._changed)

@@ -45,6 +45,15 @@ class SessionState(enum.Enum):
 
 
 @dataclass(eq=False)
+class Handle:
+    """A prefetch or evict the client has not waited for yet."""
+
+    kind: str
+    names: list[str]
+    future: asyncio.Future[None]
+
+
+@dataclass(eq=False)
 class Session:
     session_id: int
     job_id: str
@@ -52,13 +61,11 @@ class Session:
     quota_bytes: int
     store: Any
     segments: Sequence[Any]
+    closer: Callable[[], None]
     state: SessionState = SessionState.ATTACHED
-    regions: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Region name -> its RegionInfo fields (as on the wire), for regions of this session."""
-    resident: set[str] = field(default_factory=set)
-    """Regions with a host copy, as far as this session's requests tell."""
-    dirty: set[str] = field(default_factory=set)
-    handles: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    handles: dict[int, Handle] = field(default_factory=dict)
+    unwaited: dict[str, int] = field(default_factory=dict)
+    """Region name -> handles naming it that the client has not waited for (see handlers)."""
     next_handle: int = 1
     reclaim_timer: asyncio.TimerHandle | None = None
     detached_at: float | None = None
@@ -67,11 +74,25 @@ class Session:
     def key(self) -> tuple[str, int]:
         return (self.job_id, self.rank)
 
-    def new_handle(self, future: asyncio.Future[None]) -> int:
+    def new_handle(self, kind: str, names: list[str], future: asyncio.Future[None]) -> int:
         handle = self.next_handle
         self.next_handle += 1
-        self.handles[handle] = future
+        self.handles[handle] = Handle(kind, names, future)
+        for name in names:
+            self.unwaited[name] = self.unwaited.get(name, 0) + 1
         return handle
+
+    def waited(self, handle: int) -> None:
+        """The client waited for ``handle`` (it is done): its regions show their real tier again."""
+        h = self.handles.pop(handle, None)
+        if h is None:
+            return
+        for name in h.names:
+            left = self.unwaited.get(name, 0) - 1
+            if left > 0:
+                self.unwaited[name] = left
+            else:
+                self.unwaited.pop(name, None)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -123,10 +144,15 @@ class SessionTable:
                 existing.reclaim_timer = None
             existing.state = SessionState.ATTACHED
             existing.detached_at = None
+            # The old connection's handles die with it; their transfers finish in the daemon.
+            existing.handles.clear()
+            existing.unwaited.clear()
             logger.info("job %s rank %d reattached (session %d)", job_id, rank, existing.session_id)
             self._on_change()
             return existing, True
         quota = _round_up(quota_bytes or self._config.default_quota_bytes, 4096)
+        if quota > self._pool.segment_bytes:  # a pool is a whole number of segments
+            quota = _round_up(quota, self._pool.segment_bytes)
         limit = self._config.max_quota_bytes or self._pool.capacity_bytes
         if quota > limit:
             raise QuotaExceededError(f"quota of {quota} bytes exceeds the per-session limit of {limit}")
@@ -137,15 +163,15 @@ class SessionTable:
             )
         self.used_bytes += quota  # reserved before the await: two hellos cannot both take the rest
         try:
-            store, segments = await asyncio.to_thread(self._backend.open_store, quota)
+            opened = await asyncio.to_thread(self._backend.open_store, quota)
         except BaseException:
             self.used_bytes -= quota
             raise
         if (job_id, rank) in self._sessions:  # a racing hello won while we built the store
             self.used_bytes -= quota
-            await asyncio.to_thread(store.close)
+            await asyncio.to_thread(opened.close)
             raise SessionError(f"job {job_id!r} rank {rank} already has a session attached")
-        session = Session(next(self._ids), job_id, rank, quota, store, list(segments))
+        session = Session(next(self._ids), job_id, rank, quota, opened.store, list(opened.segments), opened.close)
         self._sessions[session.key] = session
         logger.info("job %s rank %d: session %d, %d bytes in %d segments",
                     job_id, rank, session.session_id, quota, len(session.segments))
@@ -178,12 +204,13 @@ class SessionTable:
             session.reclaim_timer = None
         self._sessions.pop(session.key, None)
         await self._scheduler.forget(session.key)
-        for future in session.handles.values():
-            if not future.done():
-                future.cancel()
+        for h in session.handles.values():
+            if not h.future.done():
+                h.future.cancel()
         session.handles.clear()
+        session.unwaited.clear()
         try:
-            await asyncio.to_thread(session.store.close)
+            await asyncio.to_thread(session.closer)
         except Exception:  # the quota still returns: the memory is unmapped with the pool
             logger.exception("closing the store of job %s rank %d failed", session.job_id, session.rank)
         self.used_bytes -= session.quota_bytes

@@ -63,15 +63,15 @@ def format_status(status: dict[str, Any]) -> str:
         f"metrics     {status.get('metrics_address') or 'off'}",
         "",
     ]
-    header = ("JOB", "RANK", "STATE", "QUOTA", "REGIONS", "RESIDENT", "HOST", "NVME")
+    header = ("JOB", "RANK", "STATE", "QUOTA", "REGIONS", "HOST", "NVME", "IN FLIGHT", "DIRTY")
     rows = [header]
     for s in status["sessions"]:
         stats = s.get("stats", {})
-        host = next((v for k, v in stats.items() if "host" in k and k.endswith("bytes")), None)
-        nvme = next((v for k, v in stats.items() if "nvme" in k and k.endswith("bytes")), None)
-        rows.append((s["job_id"], str(s["rank"]), s["state"], _bytes(s["quota_bytes"]), str(s["regions"]),
-                     str(s["resident"]), _bytes(host) if host is not None else "-",
-                     _bytes(nvme) if nvme is not None else "-"))
+
+        def b(key: str) -> str:
+            return _bytes(stats[key]) if isinstance(stats.get(key), (int, float)) else "-"
+        rows.append((s["job_id"], str(s["rank"]), s["state"], _bytes(s["quota_bytes"]), str(stats.get("regions", "-")),
+                     b("host_bytes"), b("nvme_bytes"), b("in_flight_bytes"), b("dirty_bytes")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())

@@ -1,10 +1,12 @@
 """TEST DOUBLE of the swap package's TierStore contract, for the daemon's tests only.
 
 This is not the swap layer and is never shipped: it keeps the interface the daemon
-serves (HostPool segments with .fd/.nbytes/.index, TierStore verbs) with the
-simplest implementation that moves real bytes: memfd segments from ``daemon.shm``, a
-first-fit page allocator, one plain file as swap space, a thread pool doing
-pread/pwrite. ``read_delay_seconds`` slows every prefetch so a test can kill a client
+serves (HostPool segments with .fd/.nbytes/.index, TierStore verbs, ConfigError and
+TierFullError as the real store raises them, memoryview host views, TierStats-shaped
+stats) with the simplest implementation that moves real bytes: memfd segments from
+``daemon.shm``, a first-fit page allocator, one plain file as swap space, a thread
+pool doing pread/pwrite. The daemon tests run on the real store where the swap
+package is installed and on this double where it is not. ``read_delay_seconds`` slows every prefetch so a test can kill a client
 while one is in flight; ``FakeBackend.open_store`` is what the daemon calls.
 """
 from __future__ import annotations
@@ -19,22 +21,28 @@ import threading
 import time
 from typing import NamedTuple
 
-import numpy as np
-
+from csrc.errors import ConfigError
+from daemon.backend import SessionStore
 from daemon.shm import PAGE_BYTES, create_segment
+
+try:
+    from csrc.errors import TierFullError
+except ImportError:  # before the swap layer's errors exist
+    TierFullError = MemoryError
 
 
 class FakeTier(enum.Enum):
     HOST = "host"
     NVME = "nvme"
-    BOTH = "both"
+    HOST_AND_NVME = "host_and_nvme"
+    IN_FLIGHT = "in_flight"
 
 
 class FakeRegionInfo(NamedTuple):
     name: str
     nbytes: int
-    segment_index: int
-    offset: int
+    segment_index: int | None
+    offset: int | None
     tier: FakeTier
 
 
@@ -56,7 +64,7 @@ class FakeHostPool:
                 if size >= need:
                     holes[i] = (off + need, size - need)
                     return index, off
-        raise MemoryError(f"host pool has no room for {nbytes} bytes")
+        raise TierFullError(f"host pool has no room for {nbytes} bytes")
 
     def give(self, index: int, offset: int, nbytes: int) -> None:
         self._free[index].append((offset, _pages(nbytes)))
@@ -102,7 +110,7 @@ class FakeSwapSpace:
                     del self._free[i]
                     return off
             if self._next + need > self.capacity_bytes:
-                raise OSError(errno.ENOSPC, f"swap space {self.path} is full")
+                raise TierFullError(f"swap space {self.path} is full")
             off, self._next = self._next, self._next + need
             return off
 
@@ -128,39 +136,52 @@ class FakeTierStore:
         self._lock = threading.Lock()
         self.read_bytes = self.write_bytes = 0
 
+    def _known(self, name: str) -> None:
+        if name not in self._nbytes:
+            raise ConfigError(f"no region named {name!r}")
+
     def allocate(self, name: str, nbytes: int) -> FakeRegionInfo:
         if name in self._nbytes:
-            raise ValueError(f"region {name!r} exists")
+            raise ConfigError(f"a region named {name!r} already exists")
         if nbytes <= 0:
-            raise ValueError(f"nbytes must be positive, got {nbytes}")
+            raise ConfigError(f"region {name!r}: nbytes must be > 0, got {nbytes}")
         self._host[name] = self.pool.take(nbytes)
         self._nbytes[name] = nbytes
         self._dirty.add(name)
-        return self.region_info(name)
+        return self.info(name)
 
-    def region_info(self, name: str) -> FakeRegionInfo:
-        if name not in self._nbytes:
-            raise KeyError(name)
-        seg, off = self._host.get(name, (-1, -1))
-        tier = FakeTier.BOTH if name in self._host and name in self._disk else (
-            FakeTier.HOST if name in self._host else FakeTier.NVME)
+    def info(self, name: str) -> FakeRegionInfo:
+        self._known(name)
+        seg, off = self._host.get(name, (None, None))
+        if name in self._host:
+            tier = FakeTier.HOST if name in self._dirty or name not in self._disk else FakeTier.HOST_AND_NVME
+        else:
+            tier = FakeTier.NVME
         return FakeRegionInfo(name, self._nbytes[name], seg, off, tier)
 
-    def host_view(self, name: str) -> np.ndarray:
+    def names(self) -> list[str]:
+        return list(self._nbytes)
+
+    def placements(self, name: str) -> list[tuple[int, int, int, int]]:
+        self._known(name)
+        return [(0, self._disk[name], 0, self._nbytes[name])] if name in self._disk else []
+
+    def host_view(self, name: str) -> memoryview:
+        self._known(name)
         if name not in self._host:
-            raise KeyError(f"region {name!r} has no host copy")
+            raise ConfigError(f"region {name!r} has no host copy to view (tier nvme): prefetch it first")
         seg, off = self._host[name]
-        return np.frombuffer(self.pool.view(seg, off, self._nbytes[name]), dtype=np.uint8)
+        return self.pool.view(seg, off, self._nbytes[name])
 
     def mark_dirty(self, name: str) -> None:
+        self._known(name)
         if name not in self._host:
-            raise KeyError(name)
+            raise ConfigError(f"region {name!r} has no host copy to mark dirty (tier nvme)")
         self._dirty.add(name)
 
     def _submit(self, fn, names: list[str]) -> int:
         for n in names:
-            if n not in self._nbytes:
-                raise KeyError(n)
+            self._known(n)
         h = next(self._ids)
         self._handles[h] = self._threads.submit(fn, list(names))
         return h
@@ -223,8 +244,7 @@ class FakeTierStore:
             self._dirty.discard(n)
 
     def free(self, name: str) -> None:
-        if name not in self._nbytes:
-            raise KeyError(name)
+        self._known(name)
         if name in self._host:
             self.pool.give(*self._host.pop(name), self._nbytes[name])
         if name in self._disk:
@@ -234,8 +254,10 @@ class FakeTierStore:
 
     def stats(self) -> dict[str, int]:
         host = sum(self._nbytes[n] for n in self._host)
-        nvme = sum(self._nbytes[n] for n in self._disk)
-        return {"host_bytes": host, "nvme_bytes": nvme, "read_bytes": self.read_bytes, "write_bytes": self.write_bytes}
+        nvme = sum(self._nbytes[n] for n in self._disk if n not in self._dirty)
+        return {"regions": len(self._nbytes), "host_bytes": host, "nvme_bytes": nvme, "in_flight_bytes": 0,
+                "dirty_bytes": sum(self._nbytes[n] for n in self._dirty),
+                "bytes_read_total": self.read_bytes, "bytes_written_total": self.write_bytes}
 
     def close(self) -> None:
         for name in list(self._nbytes):
@@ -255,10 +277,16 @@ class FakeBackend:
         self.segment_bytes = segment_bytes
         self.read_delay_seconds = read_delay_seconds
 
-    def open_store(self, quota_bytes: int):
+    def open_store(self, quota_bytes: int) -> SessionStore:
         pool = FakeHostPool(quota_bytes, min(self.segment_bytes, quota_bytes))
         store = FakeTierStore(pool, self.space, self.threads, self.read_delay_seconds)
-        return store, pool.segments
+        return SessionStore(store, pool.segments, store.close)
+
+    def engine_stats(self) -> dict[str, int]:
+        return {"bytes_read": 0, "bytes_written": 0}
+
+    def space_info(self) -> dict:
+        return {"files": [self.space.path], "used_bytes": self.space._next, "capacity_bytes": self.space.capacity_bytes}
 
     def close(self) -> None:
         self.threads.shutdown(wait=True)

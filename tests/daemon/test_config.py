@@ -36,8 +36,8 @@ def test_file_is_read_into_each_component(tmp_path):
     assert c.server.socket_path == "/tmp/x.sock" and c.server.socket_mode == 0o660
     assert c.pool.capacity_bytes == 1 << 30 and c.pool.segment_bytes == 64 << 20
     assert c.sessions.reattach_grace_seconds == 5.0
-    assert c.swap.paths == ("/tmp/a", "/tmp/b")
-    assert c.io == {"queue_depth": 32}
+    assert c.swap == {"paths": ["/tmp/a", "/tmp/b"]}
+    assert c.io == {"queue_depth": 32} and c.store == {}
     assert c.metrics.host_port == ("127.0.0.1", 9500)
 
 
@@ -45,7 +45,7 @@ def test_flags_override_the_file(tmp_path):
     path = tmp_path / "node.toml"
     path.write_text(TOML)
     c = load_config(path, {"pool.capacity_bytes": 4096 * 10, "swap.paths": ["/tmp/c"], "metrics.address": None})
-    assert c.pool.capacity_bytes == 40960 and c.swap.paths == ("/tmp/c",)
+    assert c.pool.capacity_bytes == 40960 and c.swap["paths"] == ["/tmp/c"]
     assert c.metrics.address == "127.0.0.1:9500"  # None means the flag was not given
 
 
@@ -73,3 +73,13 @@ def test_bad_files_name_the_problem(tmp_path, text, match):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_swap_tables_are_checked_against_the_swap_configs(tmp_path):
+    swap = pytest.importorskip("swap")
+    if not hasattr(swap, "IoEngineConfig"):
+        pytest.skip("the swap layer is not installed")
+    path = tmp_path / "node.toml"
+    path.write_text("[io]\nqueue_dept = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key \[io\] queue_dept"):
+        load_config(path)

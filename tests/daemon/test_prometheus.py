@@ -40,7 +40,7 @@ def test_prometheus_scrapes_the_bytes_we_moved(daemon_factory):
     names = [f"p{i}" for i in range(3)]
     for n in names:
         c.allocate(n, 2 << 20)
-        c.host_view(n)[:] = 1
+        c.host_view(n)[:] = bytes([1]) * (2 << 20)
     c.wait_for_evict(c.evict(names), timeout_seconds=20)
     c.wait_for_prefetch(c.prefetch(names), timeout_seconds=20)
     c.report_step(0.3)
