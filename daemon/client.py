@@ -33,7 +33,7 @@ from daemon.shm import SegmentMap, recv_with_fds
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TierClientConfig", "TierClient", "DaemonConnection", "daemon_status"]
+__all__ = ["TierClientConfig", "TierClient", "ClientHandle", "DaemonConnection", "daemon_status"]
 
 _BUILTIN_ERRORS = {"KeyError", "ValueError", "TypeError", "TimeoutError", "OSError", "MemoryError",
                    "PermissionError", "FileNotFoundError", "RuntimeError", "IndexError"}
@@ -170,6 +170,27 @@ def daemon_status(socket_path: str, timeout_seconds: float = 10.0) -> dict[str, 
         conn.close()
 
 
+class ClientHandle:
+    """What ``TierClient.prefetch`` / ``evict`` return; pass it to the matching wait verb."""
+
+    __slots__ = ("kind", "number", "names", "_waited")
+
+    def __init__(self, kind: str, number: int, names: list[str]) -> None:
+        self.kind, self.number, self.names = kind, number, names
+        self._waited = False
+
+    def done(self) -> bool:
+        """True once a wait for this handle has returned (as ``TransferHandle.done``)."""
+        return self._waited
+
+    def __repr__(self) -> str:
+        return f"ClientHandle({self.kind} #{self.number}, {len(self.names)} region(s), done={self._waited})"
+
+
+def _number(handle: "ClientHandle | int") -> int:
+    return handle.number if isinstance(handle, ClientHandle) else int(handle)
+
+
 class _SwapFileView(NamedTuple):
     index: int
     path: str
@@ -235,23 +256,27 @@ class TierClient:
     def mark_dirty(self, name: str) -> None:
         self._conn.request(Kind.MARK_DIRTY, {"name": name})
 
-    def prefetch(self, names: Iterable[str]) -> int:
+    def prefetch(self, names: Iterable[str]) -> ClientHandle:
         names = list(names)
         self._stale.update(names)
-        return self._conn.request(Kind.PREFETCH, {"names": names})[0]["handle"]
+        return ClientHandle("prefetch", self._conn.request(Kind.PREFETCH, {"names": names})[0]["handle"], names)
 
-    def wait_for_prefetch(self, handle: int, timeout_seconds: float | None = None) -> None:
-        self._conn.request(Kind.WAIT_PREFETCH, {"handle": handle, "timeout_seconds": timeout_seconds},
-                           wait_seconds=timeout_seconds)
+    def wait_for_prefetch(self, handle: ClientHandle, timeout_seconds: float | None = None) -> None:
+        self._wait(Kind.WAIT_PREFETCH, handle, timeout_seconds)
 
-    def evict(self, names: Iterable[str]) -> int:
+    def evict(self, names: Iterable[str]) -> ClientHandle:
         names = list(names)
         self._stale.update(names)
-        return self._conn.request(Kind.EVICT, {"names": names})[0]["handle"]
+        return ClientHandle("evict", self._conn.request(Kind.EVICT, {"names": names})[0]["handle"], names)
 
-    def wait_for_evict(self, handle: int, timeout_seconds: float | None = None) -> None:
-        self._conn.request(Kind.WAIT_EVICT, {"handle": handle, "timeout_seconds": timeout_seconds},
+    def wait_for_evict(self, handle: ClientHandle, timeout_seconds: float | None = None) -> None:
+        self._wait(Kind.WAIT_EVICT, handle, timeout_seconds)
+
+    def _wait(self, kind: Kind, handle: ClientHandle | int, timeout_seconds: float | None) -> None:
+        self._conn.request(kind, {"handle": _number(handle), "timeout_seconds": timeout_seconds},
                            wait_seconds=timeout_seconds)
+        if isinstance(handle, ClientHandle):
+            handle._waited = True
 
     def flush(self) -> None:
         self._conn.request(Kind.FLUSH, wait_seconds=None)

@@ -18,6 +18,7 @@ closes it when the process dies), never a heartbeat on the data path.
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import itertools
 import logging
@@ -46,11 +47,16 @@ class SessionState(enum.Enum):
 
 @dataclass(eq=False)
 class Handle:
-    """A prefetch or evict the client has not waited for yet."""
+    """A prefetch or evict of this session, kept until long after the client waited for it."""
 
     kind: str
     names: list[str]
     future: asyncio.Future[None]
+    waited: bool = False
+
+
+DONE_HANDLES_KEPT = 4096
+"""Waited-for handles kept per session, so a second wait on one answers as a local store does."""
 
 
 @dataclass(eq=False)
@@ -67,6 +73,7 @@ class Session:
     unwaited: dict[str, int] = field(default_factory=dict)
     """Region name -> handles naming it that the client has not waited for (see handlers)."""
     next_handle: int = 1
+    _done: collections.deque[int] = field(default_factory=collections.deque)
     reclaim_timer: asyncio.TimerHandle | None = None
     detached_at: float | None = None
 
@@ -84,9 +91,13 @@ class Session:
 
     def waited(self, handle: int) -> None:
         """The client waited for ``handle`` (it is done): its regions show their real tier again."""
-        h = self.handles.pop(handle, None)
-        if h is None:
+        h = self.handles.get(handle)
+        if h is None or h.waited:
             return
+        h.waited = True
+        self._done.append(handle)
+        while len(self._done) > DONE_HANDLES_KEPT:
+            self.handles.pop(self._done.popleft(), None)
         for name in h.names:
             left = self.unwaited.get(name, 0) - 1
             if left > 0:

@@ -1,4 +1,10 @@
-"""Fixtures: a daemon in its own process (real server, TEST DOUBLE store), cleaned up after."""
+"""Fixtures: a daemon in its own process, cleaned up after.
+
+The daemon serves the real swap layer (``offload daemon --config``) where the swap
+package is installed, else the TEST DOUBLE store (``daemon_proc.py``). ``slow=True``
+makes transfers take long enough to kill a client or stop the daemon mid-prefetch:
+a 1 s delay in the double, a 4 KiB-block, depth-1 thread engine on the real store.
+"""
 from __future__ import annotations
 
 import os
@@ -18,6 +24,17 @@ from daemon.client import daemon_status
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+
+
+def have_swap() -> bool:
+    try:
+        import swap
+    except ImportError:
+        return False
+    return hasattr(swap, "TierStore")
+
+
+STORE = "swap" if have_swap() else "test-double"
 
 
 @dataclass
@@ -48,35 +65,45 @@ class DaemonProcess:
         return self.proc.returncode
 
 
-def write_config(workdir: str, **tables: dict) -> str:
+def write_config(workdir: str, swap_paths: int = 1, **tables: dict) -> str:
     base = {
-        "server": {"socket_path": os.path.join(workdir, "d.sock"), "drain_timeout_seconds": 10.0},
+        "server": {"socket_path": os.path.join(workdir, "d.sock"), "drain_timeout_seconds": 20.0},
         "pool": {"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
         "sessions": {"default_quota_bytes": 8 << 20, "reattach_grace_seconds": 30.0},
         "metrics": {"address": "127.0.0.1:0"},
     }
+    if STORE == "swap":
+        dirs = [os.path.join(workdir, f"swap{i}") for i in range(swap_paths)]
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+        base["swap"] = {"paths": dirs, "capacity_bytes": 256 << 20}
     for name, values in tables.items():
         base.setdefault(name, {}).update(values)
     lines = []
     for name, values in base.items():
         lines.append(f"[{name}]")
         for key, value in values.items():
-            lines.append(f"{key} = {value!r}".replace("'", '"'))
+            text = ("true" if value else "false") if isinstance(value, bool) else repr(value).replace("'", '"')
+            lines.append(f"{key} = {text}")
     path = os.path.join(workdir, "node.toml")
     Path(path).write_text("\n".join(lines) + "\n")
     return path
 
 
-def start_daemon(read_delay_seconds: float = 0.0, **tables: dict) -> DaemonProcess:
+def start_daemon(slow: bool = False, swap_paths: int = 1, **tables: dict) -> DaemonProcess:
     workdir = tempfile.mkdtemp(prefix="ofl-d-", dir="/tmp")  # short: AF_UNIX paths are <= 107 bytes
-    config = write_config(workdir, **tables)
+    if slow and STORE == "swap":
+        tables.setdefault("io", {}).update(kind="threads", block_size_bytes=4096, queue_depth=1, num_threads=1)
+    config = write_config(workdir, swap_paths, **tables)
     log_path = os.path.join(workdir, "daemon.log")
+    if STORE == "swap":
+        cmd = [sys.executable, "-m", "offload.cli", "daemon", "--config", config]
+    else:
+        cmd = [sys.executable, str(HERE / "daemon_proc.py"), "--config", config, "--swap-dir", workdir,
+               "--read-delay-seconds", "1.0" if slow else "0"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(HERE / "daemon_proc.py"), "--config", config, "--swap-dir", workdir,
-             "--read-delay-seconds", str(read_delay_seconds)],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
     d = DaemonProcess(proc, os.path.join(workdir, "d.sock"), workdir, log_path)
     deadline = time.monotonic() + 30
     while True:
