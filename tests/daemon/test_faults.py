@@ -13,8 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import csrc.errors
 from daemon.client import TierClient, TierClientConfig
 from daemon.protocol import HEADER, Flag, Kind, encode_frame
+from tests.daemon.conftest import STORE
+
+TierFullError = getattr(csrc.errors, "TierFullError", None)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -180,3 +184,34 @@ def test_sigterm_drains_in_flight_io_and_exits_cleanly(daemon_factory):
     assert "draining in-flight I/O" in log and "stopped (drained)" in log and "Traceback" not in log
     assert not os.path.exists(d.socket_path)
     c.detach()
+
+
+@pytest.mark.skipif(STORE != "swap", reason="a full disk needs the real swap layer")
+def test_full_disk_on_evict_is_a_clear_error_and_keeps_the_data(daemon_factory, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root here")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(tiny)],
+                           capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"mount -t tmpfs refused: {mount.stderr.strip()}")
+    try:
+        d = daemon_factory(swap={"paths": [str(tiny)], "capacity_bytes": 32 << 20, "preallocate": False},
+                           pool={"segment_bytes": 16 << 20})
+        c = TierClient(TierClientConfig(socket_path=d.socket_path, job_id="full", quota_bytes=16 << 20))
+        payload = os.urandom(12 << 20)
+        c.allocate("big", len(payload))
+        c.host_view("big")[:] = payload
+        with pytest.raises(TierFullError) as err:
+            c.wait_for_evict(c.evict(["big"]), timeout_seconds=60)
+        assert "big" in str(err.value)  # names the region
+        assert c.info("big").tier.name == "HOST"  # the host copy stays, still dirty
+        assert bytes(c.host_view("big")) == payload
+        c.free("big")
+        c.ping()
+        assert d.status()["sessions"][0]["stats"]["errors_total"] >= 1
+        c.close()
+        d.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
