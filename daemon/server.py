@@ -209,6 +209,9 @@ class DaemonServer:
     def _changed(self) -> None:
         self.metrics.set_pool(self.sessions.used_bytes, self.sessions.capacity_bytes)
         self.metrics.set_sessions(*self.sessions.counts())
+        self.metrics.session_host_bytes.clear()  # reclaimed sessions leave no series behind
+        for s in self.sessions:
+            self.metrics.session_host_bytes.labels(job=s.job_id, rank=str(s.rank)).set(s.quota_bytes)
 
     @property
     def socket_path(self) -> str:

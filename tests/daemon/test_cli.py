@@ -1,0 +1,43 @@
+"""``offload daemon`` and ``offload status`` from the command line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from offload.cli import format_status, main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_daemon_refuses_an_unknown_key_naming_it(tmp_path, capsys):
+    config = tmp_path / "node.toml"
+    config.write_text("[sessions]\nreattach_grace = 5\n")
+    assert main(["daemon", "--config", str(config)]) == 2
+    assert "unknown key [sessions] reattach_grace" in capsys.readouterr().err
+
+
+def test_status_without_a_daemon_says_so(tmp_path, capsys):
+    assert main(["status", "--socket", str(tmp_path / "none.sock")]) == 2
+    assert "no offload daemon on" in capsys.readouterr().err
+
+
+def test_status_table_lists_pool_and_sessions():
+    status = {"engine": "linux_aio", "uptime_seconds": 12.0, "metrics_address": "127.0.0.1:9464",
+              "pool": {"capacity_bytes": 1 << 30, "used_bytes": 256 << 20},
+              "bytes_moved": {"read": 3 << 30, "write": 1 << 30}, "bytes_per_second": {"read": 2e9, "write": 2.5e9},
+              "queued": 2, "inflight": 1,
+              "sessions": [{"job_id": "llama", "rank": 3, "state": "detached", "quota_bytes": 256 << 20,
+                            "stats": {"regions": 7, "host_bytes": 1 << 20, "nvme_bytes": 5 << 20,
+                                      "in_flight_bytes": 0, "dirty_bytes": 4096}}]}
+    text = format_status(status)
+    assert "256.0 MiB used of 1.0 GiB" in text and "read 3.0 GiB (1.9 GiB/s)" in text
+    row = next(line for line in text.splitlines() if line.startswith("llama"))
+    assert row.split() == ["llama", "3", "detached", "256.0", "MiB", "7", "1.0", "MiB", "5.0", "MiB", "0", "B",
+                           "4.0", "KiB"]
+
+
+def test_help_lists_the_subcommands():
+    out = subprocess.run([sys.executable, "-m", "offload.cli", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60).stdout
+    assert "daemon" in out and "status" in out
