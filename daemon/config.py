@@ -129,13 +129,15 @@ class SessionConfig:
 class SchedulerConfig:
     """The fair NVMe scheduler."""
 
-    max_inflight_jobs: int = 2
+    max_inflight_jobs: int = 4
     """Batches in flight at once over all sessions (each batch is one store call)."""
+    max_inflight_jobs_per_session: int = 2
+    """Batches of one session in flight at once (on disjoint regions; see the scheduler's note)."""
     quantum_bytes: int = 64 << 20
     """Bytes a session may dispatch per round-robin turn (deficit round robin)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "max_inflight_jobs", "quantum_bytes")
+        _positive(self, "max_inflight_jobs", "max_inflight_jobs_per_session", "quantum_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)

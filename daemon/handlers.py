@@ -142,17 +142,16 @@ class Handlers:
         start, wait = (s.store.prefetch, s.store.wait_for_prefetch) if kind == "prefetch" else \
             (s.store.evict, s.store.wait_for_evict)
 
+        def transfer() -> None:  # in a worker thread: the store may settle a pending region first
+            wait(start(names))
+
         async def run() -> None:
-            before = s.store.stats()
             t0 = time.monotonic()
-            handle = start(names)
-            try:
-                await asyncio.to_thread(wait, handle)
-            finally:
-                self._moved(s, direction, before, time.monotonic() - t0)
+            await asyncio.to_thread(transfer)
+            self._moved(direction, cost, time.monotonic() - t0)
 
         cls = JobClass.PREFETCH if kind == "prefetch" else JobClass.WRITEBACK
-        future = self.scheduler.submit(s.key, cls, cost, run)
+        future = self.scheduler.submit(s.key, cls, cost, run, names)
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if never waited
         return {"handle": s.new_handle(kind, names, future)}
 
@@ -162,10 +161,8 @@ class Handlers:
     def evict(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
         return self._transfer(s, body, "evict")
 
-    def _moved(self, s: Session, direction: str, before: Any, seconds: float) -> None:
-        after = s.store.stats()
-        key = "bytes_read_total" if direction == "read" else "bytes_written_total"
-        nbytes = int(_field(after, key)) - int(_field(before, key))
+    def _moved(self, direction: str, nbytes: int, seconds: float) -> None:
+        """A job moved ``nbytes`` (logical: the regions that were absent, or dirty)."""
         self.bytes_moved[direction] += nbytes
         self.busy_seconds[direction] += seconds
         self.metrics.swap_bytes.labels(tier="nvme", direction=direction).inc(nbytes)
@@ -197,15 +194,13 @@ class Handlers:
         return await self.wait(s, body, "evict")
 
     async def flush(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
-        async def run() -> None:
-            before = s.store.stats()
-            t0 = time.monotonic()
-            try:
-                await asyncio.to_thread(s.store.flush)
-            finally:
-                self._moved(s, "write", before, time.monotonic() - t0)
-
         cost = int(_field(s.store.stats(), "dirty_bytes", 1))
+
+        async def run() -> None:
+            t0 = time.monotonic()
+            await asyncio.to_thread(s.store.flush)
+            self._moved("write", cost, time.monotonic() - t0)
+
         await self.scheduler.submit(s.key, JobClass.WRITEBACK, cost, run)
         return {}
 
@@ -216,7 +211,7 @@ class Handlers:
         else:
             async def run() -> None:
                 await asyncio.to_thread(s.store.free, name)
-            await self.scheduler.submit(s.key, JobClass.WRITEBACK, 1, run)
+            await self.scheduler.submit(s.key, JobClass.WRITEBACK, 1, run, [name])
         s.unwaited.pop(name, None)
         return {}
 

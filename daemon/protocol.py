@@ -19,9 +19,8 @@ Frame layout (little-endian, 16-byte header, then the body)::
 Rules
 -----
 * The first request on a connection is HELLO (PING, STATUS, ENGINE and SPACE need no
-  session).
-  Its body carries ``version``; a version the daemon does not speak gets an error reply
-  and the connection is closed.
+  session). Its body carries ``version``; a version the daemon does not speak gets an
+  error reply and the connection is closed. One session per connection.
 * Every request gets exactly one reply with the same ``request_id``: a REPLY frame with
   the fields listed below, or a REPLY|ERROR frame with ``{"error", "message", "errno"?}``.
   ``error`` names a class of ``csrc.errors`` (``ProtocolError``, ``QuotaExceededError``,
@@ -35,36 +34,41 @@ Rules
   reply and the connection goes on. A connection that ends mid-frame is dropped. None
   of this touches any other session.
 * The HELLO reply carries the session's memfd segments as SCM_RIGHTS ancillary data on
-  the frame's first byte (FDS flag set), in the order of its ``segments`` list.
+  the frame's first byte (FDS flag set), in the order of its ``segments`` list. No other
+  frame carries fds, and the daemon never accepts fds, addresses or offsets from a client.
+* A client may pipeline requests; replies to bookkeeping requests come in order, replies
+  to waits, FLUSH, FREE and BYE come when they are done (match them by ``request_id``).
 
-Messages (request fields -> reply fields)
------------------------------------------
-==============  ==========================================  ======================================
-kind            request                                     reply
-==============  ==========================================  ======================================
-HELLO 1         version, job_id str, rank int,              version, session_id, reattached bool,
-                quota_bytes int (0: daemon default)         quota_bytes, segments [{index,nbytes}]
-ALLOCATE 2      name, nbytes                                region {name,nbytes,segment_index,
-                                                            offset,tier}
-FREE 3          name                                        {}
-MARK_DIRTY 4    name                                        {}
-REGION 5        name, view bool (true: the client will map     region (as ALLOCATE; tier IN_FLIGHT
-                it, so it must have a host copy)            until the client waited, see handlers)
-PREFETCH 6      names [str]                                 handle int
-WAIT_PREFETCH 7 handle, timeout_seconds (null: no limit)    {}
-EVICT 8         names [str]                                 handle int
-WAIT_EVICT 9    handle, timeout_seconds                     {}
-FLUSH 10        {}                                          {}
-STATS 11        {}                                          stats {field: value} (TierStats)
-REPORT_STEP 12  seconds float (an optimizer step's time)    {}
-PING 13         {}                                          {}
-STATUS 14       {}                                          node-wide status (``offload status``)
-BYE 15          {}                                          {} and the session is closed now
-PLACEMENTS 16   name                                        placements [[file_index, file_offset,
-                                                            region_offset, nbytes]]
-ENGINE 17       {}                                          name, stats {engine counters}
-SPACE 18        {}                                          files [path], used_bytes, capacity_bytes
-==============  ==========================================  ======================================
+Messages (kind number: request fields -> reply fields)
+-----------------------------------------------------
+HELLO 1          version int, job_id str, rank int, quota_bytes int (0: the daemon's default)
+                 -> version, session_id, reattached bool, quota_bytes, segments [{index, nbytes}]
+                    (and the segments' fds, see above)
+ALLOCATE 2       name str, nbytes int -> region {name, nbytes, segment_index, offset, tier}
+FREE 3           name -> {}
+MARK_DIRTY 4     name -> {}
+REGION 5         name, view bool -> region (as ALLOCATE). view=true: the client is about to map
+                 the region, so it must have a host copy (else the store's ConfigError). A region
+                 named by a prefetch or evict the client has not waited for shows tier IN_FLIGHT
+                 (see [Note: client-visible state] in daemon.handlers).
+PREFETCH 6       names [str] -> handle int (the transfer is queued in the fair scheduler)
+WAIT_PREFETCH 7  handle int, timeout_seconds float|null -> {} (or the transfer's error;
+                 TimeoutError leaves the transfer running, and it can be waited for again)
+EVICT 8          names [str] -> handle int
+WAIT_EVICT 9     handle int, timeout_seconds float|null -> {}
+FLUSH 10         {} -> {} once every dirty region is written back (host copies kept)
+STATS 11         {} -> stats {TierStats fields}
+REPORT_STEP 12   seconds float (one optimizer step) -> {}
+PING 13          {} -> {}
+STATUS 14        {} -> version, engine, metrics_address, uptime_seconds, pool {capacity_bytes,
+                 used_bytes}, bytes_moved {read, write}, bytes_per_second {read, write}, queued,
+                 inflight, sessions [{job_id, rank, state, quota_bytes, stats}]
+BYE 15           {} -> {}; the session is closed now (memory and extents freed)
+PLACEMENTS 16    name -> placements [[file_index, file_offset, region_offset, nbytes]]
+ENGINE 17        {} -> name, stats {the engine's counters} (one engine serves every session)
+SPACE 18         {} -> files [path], used_bytes, capacity_bytes
+
+All integers are JSON numbers (exact up to 2**53); names are UTF-8 strings.
 """
 from __future__ import annotations
 

@@ -9,10 +9,12 @@ demand move equal bytes however their requests are sized. Sessions whose head jo
 a prefetch are served before sessions whose head job is a write-back (a rank waiting
 for data is stalled; a write-back only frees memory).
 
-[Note: per-session order] Within one session jobs run one at a time and in the order
-they were asked for: an evict followed by a prefetch of the same region must not be
-reordered, and the store's verbs are not assumed safe to overlap for one session.
-Sessions overlap with each other up to ``max_inflight_jobs``.
+[Note: per-session order] Within one session, jobs start in the order they were asked
+for, and a job starts only when it names no region that a running job of the session
+names (an evict followed by a prefetch of the same region runs in that order). Jobs on
+disjoint regions overlap, up to ``max_inflight_jobs_per_session``, so one session can
+keep the disk's queue as deep as a local store does when it prefetches ahead. A job
+with no names (FLUSH) runs alone. Over all sessions, ``max_inflight_jobs`` run at once.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Hashable
+from typing import Awaitable, Callable, Hashable, Iterable
 
 from csrc.errors import OffloadError, SessionError
 from daemon.config import SchedulerConfig
@@ -46,7 +48,11 @@ class _Job:
     nbytes: int
     run: Callable[[], Awaitable[None]]
     future: asyncio.Future[None]
+    names: frozenset[str] | None  # None: conflicts with every job of the session
     queued_at: float = field(default_factory=time.monotonic)
+
+    def conflicts(self, other: "_Job") -> bool:
+        return self.names is None or other.names is None or not self.names.isdisjoint(other.names)
 
 
 class FairScheduler:
@@ -57,16 +63,19 @@ class FairScheduler:
         self._queues: dict[Hashable, collections.deque[_Job]] = {}
         self._order: collections.deque[Hashable] = collections.deque()  # sessions with queued jobs
         self._deficit: dict[Hashable, int] = collections.defaultdict(int)
-        self._running: dict[Hashable, asyncio.Task[None]] = {}
+        self._running: dict[Hashable, list[_Job]] = {}  # per session, the jobs running now
+        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._on_depth = on_depth
         self.served_bytes: dict[Hashable, int] = collections.defaultdict(int)
 
-    def submit(self, key: Hashable, cls: JobClass, nbytes: int, run: Callable[[], Awaitable[None]]) -> asyncio.Future[None]:
-        """Queue a job for session ``key``; the future completes when ``run()`` has."""
+    def submit(self, key: Hashable, cls: JobClass, nbytes: int, run: Callable[[], Awaitable[None]],
+               names: Iterable[str] | None = None) -> asyncio.Future[None]:
+        """Queue a job on regions ``names`` (None: all) for session ``key``; the future completes when ``run()`` has."""
         if self._closed:
             raise OffloadError("the daemon is shutting down and takes no new I/O")
-        job = _Job(key, cls, max(int(nbytes), 1), run, asyncio.get_running_loop().create_future())
+        job = _Job(key, cls, max(int(nbytes), 1), run, asyncio.get_running_loop().create_future(),
+                   None if names is None else frozenset(names))
         queue = self._queues.setdefault(key, collections.deque())
         if not queue and key not in self._order:
             self._order.append(key)
@@ -80,19 +89,24 @@ class FairScheduler:
 
     def busy(self, key: Hashable) -> bool:
         """Whether session ``key`` has a job queued or running."""
-        return key in self._running or bool(self._queues.get(key))
+        return bool(self._running.get(key)) or bool(self._queues.get(key))
 
     @property
     def inflight(self) -> int:
-        return len(self._running)
+        return len(self._tasks)
 
     def _report_depth(self) -> None:
         if self._on_depth is not None:
             for cls in JobClass:
                 self._on_depth(cls, self.depth(cls))
 
+    def _can_start(self, key: Hashable) -> bool:
+        head, running = self._queues[key][0], self._running.get(key, ())
+        return len(running) < self._config.max_inflight_jobs_per_session and \
+            not any(head.conflicts(job) for job in running)
+
     def _eligible(self, cls: JobClass) -> list[Hashable]:
-        return [k for k in self._order if k not in self._running and self._queues[k][0].cls is cls]
+        return [k for k in self._order if self._queues[k][0].cls is cls and self._can_start(k)]
 
     def _pick(self) -> _Job | None:
         for cls in (JobClass.PREFETCH, JobClass.WRITEBACK):
@@ -118,11 +132,14 @@ class FairScheduler:
         return None
 
     def _dispatch(self) -> None:
-        while len(self._running) < self._config.max_inflight_jobs:
+        while len(self._tasks) < self._config.max_inflight_jobs:
             job = self._pick()
             if job is None:
                 break
-            self._running[job.key] = asyncio.get_running_loop().create_task(self._run(job))
+            self._running.setdefault(job.key, []).append(job)
+            task = asyncio.get_running_loop().create_task(self._run(job))
+            self._tasks.add(task)
+            task.add_done_callback(self._finished)
         self._report_depth()
 
     async def _run(self, job: _Job) -> None:
@@ -136,8 +153,14 @@ class FairScheduler:
             if not job.future.done():
                 job.future.set_result(None)
         finally:
-            self._running.pop(job.key, None)
-            self._dispatch()
+            running = self._running.get(job.key, [])
+            running.remove(job)
+            if not running:
+                self._running.pop(job.key, None)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._dispatch()
 
     async def forget(self, key: Hashable) -> None:
         """Drop ``key``'s queued jobs (their futures fail) and wait for its running one."""
@@ -149,22 +172,21 @@ class FairScheduler:
             if not job.future.done():
                 job.future.set_exception(SessionError("the session was closed before this I/O ran"))
                 job.future.exception()  # retrieved: nobody may be waiting any more
-        task = self._running.get(key)
-        if task is not None:
-            await asyncio.wait([task])
+        while self._running.get(key):
+            await asyncio.sleep(0.005)  # its running jobs finish (their I/O cannot be called back)
         self._report_depth()
 
     async def drain(self, timeout_seconds: float) -> bool:
         """Refuse new jobs; wait up to ``timeout_seconds`` for queued and running ones."""
         self._closed = True
         deadline = time.monotonic() + timeout_seconds
-        while self._order or self._running:
+        while self._order or self._tasks:
             left = deadline - time.monotonic()
             if left <= 0:
                 logger.warning("drain timed out with %d queued and %d running jobs", self.depth(), self.inflight)
                 return False
-            if self._running:
-                await asyncio.wait(list(self._running.values()), timeout=left)
+            if self._tasks:
+                await asyncio.wait(list(self._tasks), timeout=left)
             else:
                 self._dispatch()
                 await asyncio.sleep(0)

@@ -121,3 +121,28 @@ def test_drain_finishes_work_and_refuses_new():
         with pytest.raises(OffloadError, match="shutting down"):
             sched.submit("a", JobClass.PREFETCH, 1, _recorder(log, 9))
     asyncio.run(main())
+
+
+def test_a_session_overlaps_disjoint_jobs_but_never_conflicting_ones():
+    async def main():
+        sched = FairScheduler(SchedulerConfig(max_inflight_jobs=8, max_inflight_jobs_per_session=2,
+                                              quantum_bytes=1 << 20))
+        active: set[str] = set()
+        overlaps = []
+
+        def job(tag, names):
+            async def run():
+                clash = [a for a in active if set(a.split("+")) & set(names)]
+                assert not clash, (tag, clash)
+                overlaps.append(len(active))
+                key = "+".join(names)
+                active.add(key)
+                await asyncio.sleep(0.01)
+                active.discard(key)
+            return run
+        plan = [("p0", ["a"]), ("p1", ["b"]), ("e0", ["a"]), ("p2", ["c"]), ("e1", ["b"]), ("p3", ["a"])]
+        futs = [sched.submit("s", JobClass.PREFETCH, 1, job(t, n), n) for t, n in plan]
+        flush = sched.submit("s", JobClass.WRITEBACK, 1, job("flush", ["a", "b", "c"]), None)
+        await asyncio.wait_for(asyncio.gather(*futs, flush), 10)
+        assert max(overlaps) == 1  # two at a time, never more than the per-session limit
+    asyncio.run(main())

@@ -146,14 +146,14 @@ def _daemon_round(socket_path: str, requests: int, kind: str) -> tuple[float, fl
 
 # -- daemon process ----------------------------------------------------------------------
 class Daemon:
-    def __init__(self, workdir: str, store: str, pool_bytes: int, swap_bytes: int) -> None:
+    def __init__(self, workdir: str, store: str, pool_bytes: int, swap_bytes: int, segment_bytes: int) -> None:
         self.socket_path = os.path.join(workdir, "d.sock")
         swap_dir = os.path.join(workdir, "swap")
         os.makedirs(swap_dir, exist_ok=True)
         config = os.path.join(workdir, "node.toml")
         Path(config).write_text(
             f'[server]\nsocket_path = "{self.socket_path}"\n[pool]\ncapacity_bytes = {pool_bytes}\n'
-            f"segment_bytes = {64 * MiB}\n[sessions]\nreattach_grace_seconds = 0.0\n"
+            f"segment_bytes = {segment_bytes}\n[sessions]\nreattach_grace_seconds = 0.0\n"
             f'[swap]\npaths = ["{swap_dir}"]\ncapacity_bytes = {swap_bytes}\n[metrics]\naddress = "127.0.0.1:0"\n'
         )
         if store == "swap":
@@ -213,9 +213,10 @@ def _prefetch_loop(store, names: list[str], batch: int, region_bytes: int, secon
 def _fill(store, names: list[str], batch: int, region_bytes: int) -> None:
     for i in range(0, len(names), batch):
         group = names[i:i + batch]
+        payload = bytes([i % 251]) * region_bytes
         for n in group:
             store.allocate(n, region_bytes)
-            store.host_view(n)[:] = i % 251
+            store.host_view(n)[:] = payload
             store.mark_dirty(n)
         store.wait_for_evict(store.evict(group))
 
@@ -250,10 +251,11 @@ def _raw_embedded(workdir: str, args) -> float:
 
     space_dir = os.path.join(workdir, "raw")
     os.makedirs(space_dir, exist_ok=True)
-    engine = swap.open_engine(swap.IoEngineConfig())
+    engine = swap.open_engine(swap.IoEngineConfig(probe_paths=[space_dir]))  # as the daemon opens it
     space = swap.SwapSpace(swap.SwapSpaceConfig(paths=[space_dir], capacity_bytes=args.regions * args.region_mib * MiB * 2),
                            engine=engine)
-    pool = swap.HostPool(swap.HostPoolConfig(capacity_bytes=3 * args.batch * args.region_mib * MiB, segment_bytes=64 * MiB))
+    batch_bytes = args.batch * args.region_mib * MiB
+    pool = swap.HostPool(swap.HostPoolConfig(capacity_bytes=3 * batch_bytes, segment_bytes=batch_bytes))
     store = swap.TierStore(swap.TierStoreConfig(), pool=pool, space=space, engine=engine)
     names = [f"r{i}" for i in range(args.regions)]
     _fill(store, names, args.batch, args.region_mib * MiB)
@@ -281,8 +283,9 @@ def main() -> int:
     workdir = tempfile.mkdtemp(prefix="ofl-bench-", dir=args.workdir)
     print(f"# bench_daemon: store={store}, rounds={args.rounds}, {os.cpu_count()} cpus, {time.strftime('%Y-%m-%d %H:%M')}")
     per_client = 3 * args.batch * args.region_mib * MiB
-    daemon = Daemon(workdir, store, pool_bytes=5 * per_client + 64 * MiB,
-                    swap_bytes=5 * args.regions * args.region_mib * MiB)
+    batch_bytes = args.batch * args.region_mib * MiB
+    daemon = Daemon(workdir, store, pool_bytes=5 * per_client + 2 * batch_bytes,
+                    swap_bytes=5 * args.regions * args.region_mib * MiB, segment_bytes=batch_bytes)
     try:
         print(f"daemon engine: {daemon.status['engine']}")
         rows = {"bare echo": [], "bare echo, TierClient's socket code": [], "asyncio echo": [], "daemon PING": [],
@@ -307,10 +310,12 @@ def main() -> int:
                   "the swap layer is not installed; --store test-double runs them over the test double") + ")")
             return 0
         label = "" if store == "swap" else " [TEST DOUBLE store: buffered reads, not NVMe]"
-        raw = [_raw_embedded(workdir, args) for _ in range(args.rounds)] if store == "swap" else []
-        bw = {n: [] for n in (1, 2, 4)}
+        raw: list[float] = []
+        bw: dict[int, list[float]] = {n: [] for n in (1, 2, 4)}
         fairness = []
-        for _ in range(args.rounds):
+        for _ in range(args.rounds):  # interleaved: raw, then 1, 2 and 4 clients, each round
+            if store == "swap":
+                raw.append(_raw_embedded(workdir, args))
             for n in (1, 2, 4):
                 total, per = _through_daemon(daemon.socket_path, n, args)
                 bw[n].append(total)
