@@ -155,6 +155,10 @@ class DaemonConnection:
                 data = self._sock.recv(1 << 16)
             if not data:
                 raise DaemonNotRunningError("the daemon closed the connection")
+            if not buf and len(data) >= HEADER.size:  # the usual case: exactly one whole reply
+                nbytes, kind, flags, request_id = HEADER.unpack_from(data)
+                if len(data) == HEADER.size + nbytes:
+                    return Frame(kind, flags, request_id, data[HEADER.size:])
             buf += data
 
     def close(self) -> None:
