@@ -238,6 +238,9 @@ class DaemonServer:
         raise ConfigError(f"a daemon is already listening on {path}")
 
     async def start(self) -> None:
+        directory = os.path.dirname(os.path.abspath(self.socket_path))
+        if not os.path.isdir(directory):
+            raise ConfigError(f"[server] socket_path {self.socket_path}: directory {directory} does not exist")
         self._clear_stale_socket()
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # no window in which the socket is wider than asked

@@ -1,11 +1,18 @@
 """``offload daemon`` and ``offload status`` from the command line."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from csrc.errors import ConfigError
+from daemon.config import load_config
+from daemon.server import DaemonServer
 from offload.cli import format_status, main
+from tests.daemon.fake_store import FakeBackend
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,3 +48,12 @@ def test_help_lists_the_subcommands():
     out = subprocess.run([sys.executable, "-m", "offload.cli", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=60).stdout
     assert "daemon" in out and "status" in out
+
+
+def test_daemon_names_a_missing_socket_directory(tmp_path):
+    config = tmp_path / "node.toml"
+    config.write_text(f'[server]\nsocket_path = "{tmp_path}/absent/d.sock"\n[metrics]\naddress = ""\n')
+    server = DaemonServer(load_config(config), FakeBackend(str(tmp_path), 1 << 20, 1 << 20))
+    with pytest.raises(ConfigError, match="absent does not exist"):
+        asyncio.run(server.start())
+    server.backend.close()
