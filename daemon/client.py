@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TierClientConfig", "TierClient", "ClientHandle", "DaemonConnection", "daemon_status"]
 
+_ERROR = int(Flag.ERROR)  # plain ints on the hot path: IntFlag arithmetic costs microseconds here
 _BUILTIN_ERRORS = {"KeyError", "ValueError", "TypeError", "TimeoutError", "OSError", "MemoryError",
                    "PermissionError", "FileNotFoundError", "RuntimeError", "IndexError"}
 
@@ -120,7 +121,7 @@ class DaemonConnection:
             timeout = None if wait_seconds is None else self._timeout + wait_seconds
             self._set_timeout(timeout)
             try:
-                self._sock.sendall(encode_frame(kind, request_id, body))
+                self._sock.sendall(encode_frame(int(kind), request_id, body))
                 frame = self._read_frame(with_fds=kind is Kind.HELLO)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise DaemonNotRunningError(f"the daemon closed the connection ({exc.strerror})") from None
@@ -134,7 +135,7 @@ class DaemonConnection:
             fds, self._fds = self._fds, []
         if frame.request_id != request_id:
             raise ProtocolError(f"reply to request {frame.request_id}, expected {request_id}")
-        if frame.flags & Flag.ERROR:
+        if frame.flags & _ERROR:
             raise _error_from_reply(decode_body(frame))
         return (decode_body(frame) if frame.body else {}), fds
 

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["DaemonServer", "run_daemon"]
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_REPLY = int(Flag.REPLY)  # a plain int on the hot path
+_SYNC = frozenset(int(k) for k in SYNC_KINDS)
+_SESSIONLESS = frozenset(int(k) for k in Kind if not needs_session(k))
 
 
 class _Connection(asyncio.Protocol):
@@ -87,7 +90,7 @@ class _Connection(asyncio.Protocol):
     # -- replies ----------------------------------------------------------------------
     def reply(self, frame: Frame, body: dict[str, Any]) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_frame(frame.kind, frame.request_id, body, Flag.REPLY))
+            self.transport.write(encode_frame(frame.kind, frame.request_id, body, _REPLY))
 
     def reply_error(self, request_id: int, kind: int, exc: BaseException) -> None:
         self.server.metrics.error(type(exc).__name__)
@@ -106,12 +109,13 @@ class _Connection(asyncio.Protocol):
                 self.hello_pending = True
                 self.spawn(self.hello(frame, body, t0))
                 return
-            if needs_session(kind) and self.session is None:
+            number = frame.kind  # int keys below: an IntEnum hashes through Python code
+            if self.session is None and number not in _SESSIONLESS:
                 raise no_session_error(kind)
-            fn = self.server.handler_table[kind]
-            if kind in SYNC_KINDS:
+            fn = self.server.handler_table[number]
+            if number in _SYNC:
                 self.reply(frame, fn(self.session, body))  # type: ignore[arg-type]
-                self.server.request_seconds[kind].observe(time.perf_counter() - t0)
+                self.server.request_seconds[number].observe(time.perf_counter() - t0)
             else:
                 self.spawn(self.run_async(frame, kind, fn(self.session, body), t0))
         except (OffloadError, KeyError, ValueError, TypeError, TimeoutError, OSError, MemoryError) as exc:
@@ -139,7 +143,7 @@ class _Connection(asyncio.Protocol):
             if kind is Kind.BYE:
                 self.session = None
             self.reply(frame, body)
-        self.server.request_seconds[kind].observe(time.perf_counter() - t0)
+        self.server.request_seconds[int(kind)].observe(time.perf_counter() - t0)
 
     async def hello(self, frame: Frame, body: dict[str, Any], t0: float) -> None:
         try:
@@ -161,7 +165,7 @@ class _Connection(asyncio.Protocol):
                  "segments": [{"index": seg.index, "nbytes": seg.nbytes} for seg in session.segments]}
         data = encode_frame(Kind.HELLO, frame.request_id, reply, Flag.REPLY | Flag.FDS)
         await self.send_fds(data, [seg.fd for seg in session.segments])
-        self.server.request_seconds[Kind.HELLO].observe(time.perf_counter() - t0)
+        self.server.request_seconds[int(Kind.HELLO)].observe(time.perf_counter() - t0)
 
     async def send_fds(self, data: bytes, fds: list[int]) -> None:
         """Send ``data`` with ``fds`` on the transport's socket, in order with other writes."""
@@ -198,9 +202,9 @@ class DaemonServer:
                                        on_depth=lambda cls, n: self.metrics.queue_depth.labels(cls.value).set(n))
         self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler, self._changed)
         self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics)
-        self.handler_table = self.handlers.table()
+        self.handler_table = {int(k): fn for k, fn in self.handlers.table().items()}
         # Labelled children looked up once: labels() costs more than the observation.
-        self.request_seconds = {k: self.metrics.request_seconds.labels(kind=k.name) for k in Kind}
+        self.request_seconds = {int(k): self.metrics.request_seconds.labels(kind=k.name) for k in Kind}
         self.connections: set[_Connection] = set()
         self.metrics_port: int | None = None
         self._server: asyncio.AbstractServer | None = None
