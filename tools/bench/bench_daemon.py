@@ -121,7 +121,7 @@ def _echo_round(server, requests: int, workdir: str, raw: bool = False) -> tuple
             lat.append(time.perf_counter() - t)
         sock.close()
     else:
-        conn = DaemonConnection(path, 10.0)  # the daemon's own client code against the same echo
+        conn = DaemonConnection(path, 10.0, TierClientConfig().spin_seconds)  # TierClient's code and settings
         for _ in range(requests):
             t = time.perf_counter()
             conn.request(Kind.PING)
