@@ -2,11 +2,18 @@
 
 A training process opens a session (``TierClient(TierClientConfig(...))``), maps its
 segments once, and then calls the same verbs as on a local ``TierStore``:
-``allocate``, ``host_view``, ``mark_dirty``, ``prefetch`` / ``wait_for_prefetch``,
-``evict`` / ``wait_for_evict``, ``flush``, ``free``, ``stats``, ``close``. Errors the
-daemon reports are raised as the same classes a local store raises (the protocol's
-error replies name the class). ``host_view`` is a view into the daemon's memory: no
-payload crosses the socket and nothing is copied.
+``allocate``, ``info``, ``host_view``, ``mark_dirty``, ``prefetch`` /
+``wait_for_prefetch``, ``evict`` / ``wait_for_evict``, ``flush``, ``free``, ``stats``,
+``placements``, ``close``, and reads ``engine`` (``.name``, ``.stats()``) and ``space``
+(``.files[i].path``). Errors the daemon reports are raised as the same classes a local
+store raises (the protocol's error replies name the class). ``host_view`` returns a
+``memoryview`` of the daemon's shared memory: no payload crosses the socket and nothing
+is copied. Handles are ``ClientHandle`` objects with ``done()``.
+
+One difference in timing, not in outcome: a local store reserves host room when
+``prefetch`` is called; the daemon does when the fair scheduler starts the transfer,
+so a prefetch without host room fails at its wait (``TierFullError``) rather than at
+the call.
 
 ``close()`` ends the session now (its memory and extents are freed, as a local
 store's ``close`` does); ``detach()`` only drops the connection, and the daemon keeps
