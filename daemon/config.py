@@ -118,11 +118,18 @@ class SessionConfig:
     """Largest quota one session may ask for; 0 means the whole pool."""
     reattach_grace_seconds: float = 60.0
     """How long a disconnected session keeps its memory and extents for a reattach."""
+    quota_policy: str = "error"
+    """When the node pool cannot hold a new session's quota: "error" (QuotaExceededError at
+    once) or "wait" (the HELLO waits for other sessions to end, up to quota_wait_seconds)."""
+    quota_wait_seconds: float = 60.0
+    """With quota_policy "wait": how long a HELLO waits for room before QuotaExceededError."""
 
     def __post_init__(self) -> None:
-        _positive(self, "default_quota_bytes")
+        _positive(self, "default_quota_bytes", "quota_wait_seconds")
         if self.max_quota_bytes < 0 or self.reattach_grace_seconds < 0:
             raise ConfigError("SessionConfig.max_quota_bytes and reattach_grace_seconds must be >= 0")
+        if self.quota_policy not in ("error", "wait"):
+            raise ConfigError(f"SessionConfig.quota_policy must be 'error' or 'wait', got {self.quota_policy!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

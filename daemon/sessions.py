@@ -130,6 +130,7 @@ class SessionTable:
         self._on_change = on_change or (lambda: None)
         self.used_bytes = 0
         self.reclaimed_total = 0
+        self._room = asyncio.Condition()  # notified when a reclaim returns memory to the node pool
 
     @property
     def capacity_bytes(self) -> int:
@@ -167,10 +168,13 @@ class SessionTable:
         limit = self._config.max_quota_bytes or self._pool.capacity_bytes
         if quota > limit:
             raise QuotaExceededError(f"quota of {quota} bytes exceeds the per-session limit of {limit}")
+        if self.used_bytes + quota > self._pool.capacity_bytes and self._config.quota_policy == "wait":
+            await self._wait_for_room(quota)
         if self.used_bytes + quota > self._pool.capacity_bytes:
             raise QuotaExceededError(
                 f"quota of {quota} bytes exceeds what the node pool has left "
                 f"({self._pool.capacity_bytes - self.used_bytes} of {self._pool.capacity_bytes})"
+                + (f" after waiting {self._config.quota_wait_seconds} s" if self._config.quota_policy == "wait" else "")
             )
         self.used_bytes += quota  # reserved before the await: two hellos cannot both take the rest
         try:
@@ -188,6 +192,17 @@ class SessionTable:
                     job_id, rank, session.session_id, quota, len(session.segments))
         self._on_change()
         return session, False
+
+    async def _wait_for_room(self, quota: int) -> None:
+        """quota_policy "wait": sleep until reclaims leave room for ``quota`` (or time runs out)."""
+        logger.info("waiting up to %.0f s for %d bytes of the node pool", self._config.quota_wait_seconds, quota)
+        async with self._room:
+            try:
+                await asyncio.wait_for(
+                    self._room.wait_for(lambda: self.used_bytes + quota <= self._pool.capacity_bytes),
+                    self._config.quota_wait_seconds)
+            except asyncio.TimeoutError:
+                pass
 
     def detach(self, session: Session) -> None:
         """The connection ended: keep the session for the grace period (see the note)."""
@@ -226,6 +241,8 @@ class SessionTable:
             logger.exception("closing the store of job %s rank %d failed", session.job_id, session.rank)
         self.used_bytes -= session.quota_bytes
         self.reclaimed_total += 1
+        async with self._room:
+            self._room.notify_all()
         logger.info("job %s rank %d reclaimed; pool use %d bytes", session.job_id, session.rank, self.used_bytes)
         self._on_change()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import threading
 import time
 import urllib.request
 
@@ -220,3 +221,20 @@ def test_peer_uid_is_checked(shared_daemon):
     finally:
         os.chmod(shared_daemon.socket_path, 0o660)
         os.chmod(shared_daemon.workdir, 0o700)
+
+
+def test_quota_policy_wait_holds_a_hello_until_room_is_freed(daemon_factory):
+    d = daemon_factory(pool={"capacity_bytes": 16 << 20}, sessions={"quota_policy": "wait", "quota_wait_seconds": 20.0})
+    first = client(d, "big", quota_bytes=16 << 20)
+    got = {}
+
+    def second():
+        got["client"] = client(d, "next", quota_bytes=8 << 20)
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.5)
+    assert "client" not in got  # waiting for room, not refused
+    first.close()
+    t.join(20)
+    assert got["client"].quota_bytes == 8 << 20
+    got["client"].close()
