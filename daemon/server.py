@@ -79,6 +79,16 @@ class _Connection(asyncio.Protocol):
         for frame in frames:
             self.handle(frame)
 
+    # A client that pipelines requests without reading the replies stops being read
+    # until it catches up, so its replies cannot pile up in the daemon's memory.
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
         if self.decoder.pending_bytes:

@@ -215,3 +215,24 @@ def test_full_disk_on_evict_is_a_clear_error_and_keeps_the_data(daemon_factory, 
         d.stop()
     finally:
         subprocess.run(["umount", "-l", str(tiny)], check=False)
+
+
+def test_a_client_that_never_reads_its_replies_is_paused_not_buffered(shared_daemon):
+    d = shared_daemon
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(d.socket_path)
+    s.setblocking(False)
+    frame = encode_frame(Kind.PING, 1)
+    sent = 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # send until the daemon stops reading us
+        try:
+            sent += s.send(frame * 256)
+        except BlockingIOError:
+            break
+    assert time.monotonic() < deadline and sent < 64 << 20  # pushed back, not swallowed without end
+    good = _client(d, "meanwhile")
+    good.ping()  # everyone else is served meanwhile
+    good.close()
+    s.close()
