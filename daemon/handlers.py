@@ -1,13 +1,14 @@
 """What the daemon does for each request kind (the protocol is in ``daemon.protocol``).
 
 [Note: what runs on the loop] Bookkeeping verbs (ALLOCATE, MARK_DIRTY, REGION, STATS,
-PING, REPORT_STEP, STATUS, PLACEMENTS, ENGINE, SPACE, and the submit half of PREFETCH
+PING, REPORT_STEP, PLACEMENTS, ENGINE, SPACE, and the submit half of PREFETCH
 and EVICT) are answered inline from the event loop: the store defines them as
 in-memory operations under its lock, which no transfer holds for long, and a thread
 hop would double the small-request round trip. Everything that waits on I/O runs in
 a worker thread (``asyncio.to_thread``) inside a scheduler job: the store's
 prefetch/evict/flush, their waits, and FREE while the session has I/O under way (the
-store settles a region's pending transfer before freeing it).
+store settles a region's pending transfer before freeing it), and STATUS, which walks
+every region of every session.
 
 [Note: client-visible state] The daemon waits for every transfer as soon as the
 scheduler has started it, so that it can start the next; a local ``TierStore``
@@ -36,7 +37,7 @@ __all__ = ["Handlers", "SYNC_KINDS", "needs_session", "no_session_error"]
 
 SYNC_KINDS = frozenset(
     {Kind.ALLOCATE, Kind.MARK_DIRTY, Kind.REGION, Kind.PREFETCH, Kind.EVICT, Kind.STATS, Kind.REPORT_STEP,
-     Kind.PING, Kind.STATUS, Kind.PLACEMENTS, Kind.ENGINE, Kind.SPACE}
+     Kind.PING, Kind.PLACEMENTS, Kind.ENGINE, Kind.SPACE}
 )
 """Kinds answered inline on the loop; the rest run as tasks (see the note)."""
 
@@ -115,15 +116,23 @@ class Handlers:
     def ping(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
         return {}
 
-    def status(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
-        rows = []
-        for x in self.sessions:
-            try:
-                stats = stats_to_wire(x.store.stats())
-            except Exception as exc:  # a closing store: report, do not fail the status
-                stats = {"error": str(exc)}
-            rows.append({"job_id": x.job_id, "rank": x.rank, "state": x.state.value, "quota_bytes": x.quota_bytes,
-                         "stats": stats})
+    @staticmethod
+    def _session_row(x: Session) -> dict[str, Any]:
+        """One session's status; in a worker thread, as it walks every region."""
+        try:
+            stats = stats_to_wire(x.store.stats())
+            tiers: dict[str, int] = {}
+            for name in x.store.names():
+                tier = region_to_wire(x.store.info(name))["tier"]
+                tiers[tier] = tiers.get(tier, 0) + 1
+        except Exception as exc:  # a store closing under us: report it, do not fail the status
+            stats, tiers = {"error": str(exc)}, {}
+        return {"job_id": x.job_id, "rank": x.rank, "state": x.state.value, "quota_bytes": x.quota_bytes,
+                "stats": stats, "regions_by_tier": tiers}
+
+    async def status(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
+        sessions = list(self.sessions)
+        rows = await asyncio.to_thread(lambda: [self._session_row(x) for x in sessions])
         bandwidth = {d: (self.bytes_moved[d] / self.busy_seconds[d] if self.busy_seconds[d] else 0.0)
                      for d in self.bytes_moved}
         return {"version": PROTOCOL_VERSION, "engine": self.backend.engine_name,

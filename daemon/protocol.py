@@ -62,7 +62,7 @@ REPORT_STEP 12   seconds float (one optimizer step) -> {}
 PING 13          {} -> {}
 STATUS 14        {} -> version, engine, metrics_address, uptime_seconds, pool {capacity_bytes,
                  used_bytes}, bytes_moved {read, write}, bytes_per_second {read, write}, queued,
-                 inflight, sessions [{job_id, rank, state, quota_bytes, stats}]
+                 inflight, sessions [{job_id, rank, state, quota_bytes, stats, regions_by_tier}]
 BYE 15           {} -> {}; the session is closed now (memory and extents freed)
 PLACEMENTS 16    name -> placements [[file_index, file_offset, region_offset, nbytes]]
 ENGINE 17        {} -> name, stats {the engine's counters} (one engine serves every session)

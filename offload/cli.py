@@ -63,15 +63,16 @@ def format_status(status: dict[str, Any]) -> str:
         f"metrics     {status.get('metrics_address') or 'off'}",
         "",
     ]
-    header = ("JOB", "RANK", "STATE", "QUOTA", "REGIONS", "HOST", "NVME", "IN FLIGHT", "DIRTY")
+    header = ("JOB", "RANK", "STATE", "QUOTA", "REGIONS", "HOST", "NVME", "IN FLIGHT", "DIRTY", "REGIONS BY TIER")
     rows = [header]
     for s in status["sessions"]:
         stats = s.get("stats", {})
 
         def b(key: str) -> str:
             return _bytes(stats[key]) if isinstance(stats.get(key), (int, float)) else "-"
+        by_tier = " ".join(f"{t.lower()}={n}" for t, n in sorted(s.get("regions_by_tier", {}).items())) or "-"
         rows.append((s["job_id"], str(s["rank"]), s["state"], _bytes(s["quota_bytes"]), str(stats.get("regions", "-")),
-                     b("host_bytes"), b("nvme_bytes"), b("in_flight_bytes"), b("dirty_bytes")))
+                     b("host_bytes"), b("nvme_bytes"), b("in_flight_bytes"), b("dirty_bytes"), by_tier))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())

@@ -36,12 +36,13 @@ def test_status_table_lists_pool_and_sessions():
               "queued": 2, "inflight": 1,
               "sessions": [{"job_id": "llama", "rank": 3, "state": "detached", "quota_bytes": 256 << 20,
                             "stats": {"regions": 7, "host_bytes": 1 << 20, "nvme_bytes": 5 << 20,
-                                      "in_flight_bytes": 0, "dirty_bytes": 4096}}]}
+                                      "in_flight_bytes": 0, "dirty_bytes": 4096},
+                            "regions_by_tier": {"NVME": 5, "HOST": 1, "HOST_AND_NVME": 1}}]}
     text = format_status(status)
     assert "256.0 MiB used of 1.0 GiB" in text and "read 3.0 GiB (1.9 GiB/s)" in text
     row = next(line for line in text.splitlines() if line.startswith("llama"))
     assert row.split() == ["llama", "3", "detached", "256.0", "MiB", "7", "1.0", "MiB", "5.0", "MiB", "0", "B",
-                           "4.0", "KiB"]
+                           "4.0", "KiB", "host=1", "host_and_nvme=1", "nvme=5"]
 
 
 def test_help_lists_the_subcommands():

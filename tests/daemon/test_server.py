@@ -164,7 +164,7 @@ def test_reattach_within_grace_then_reclaim_after_it(daemon_factory):
     assert (u8(c2.host_view("w")) == 42).all()
     c2.detach()
     row = d.status()["sessions"][0]
-    assert row["state"] == "detached" and row["stats"]["regions"] == 1
+    assert row["state"] == "detached" and row["stats"]["regions"] == 1 and row["regions_by_tier"] == {"HOST": 1}
     deadline = time.monotonic() + 10
     while d.status()["sessions"] and time.monotonic() < deadline:
         time.sleep(0.1)
