@@ -4,7 +4,7 @@ Every test of ``tests/swap/test_store.py`` that receives its store from the ``st
 fixture is collected here again, with ``store`` redefined below: a ``TierClient``
 session on a daemon process serving the real TierStore, configured as that suite's
 fixture configures its local store (160 MiB host, 192 MiB swap in 1 or 3 paths with
-256 KiB stripes, 1 MiB chunks), over each engine kind. The suite's other tests build
+256 KiB stripes, 1 MiB chunks), over each engine kind that suite runs. The suite's other tests build
 stores from parts (their own engine, pool and space) and have no TierClient form.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ if STORE != "swap":
     pytest.skip("the swap layer is not installed: no real TierStore to serve", allow_module_level=True)
 
 from daemon.client import TierClient, TierClientConfig  # noqa: E402
+from tests.swap import conftest as suite_conftest  # noqa: E402
 from tests.swap import test_store as suite  # noqa: E402
 
 REUSED = [name for name, fn in vars(suite).items()
@@ -30,8 +31,11 @@ globals().update({name: getattr(suite, name) for name in REUSED})
 _jobs = itertools.count()
 
 
-@pytest.fixture(scope="module", params=[("linux_aio", 1), ("linux_aio", 3), ("threads", 1), ("threads", 3)],
-                ids=["linux_aio-one_path", "linux_aio-striped_3", "threads-one_path", "threads-striped_3"])
+_KINDS = tuple(getattr(suite_conftest, "ENGINE_KINDS", ("linux_aio", "threads")))
+
+
+@pytest.fixture(scope="module", params=[(k, n) for k in _KINDS for n in (1, 3)],
+                ids=[f"{k}-{'one_path' if n == 1 else 'striped_3'}" for k in _KINDS for n in (1, 3)])
 def suite_daemon(request):
     kind, npaths = request.param
     d = start_daemon(
