@@ -340,6 +340,9 @@ def main() -> int:
             p50 = statistics.median(v[0] for v in vals)
             p99 = statistics.median(v[1] for v in vals)
             print(f"| {name} | {p50:.1f} | {p99:.1f} | {p50 / bare:.2f}x |")
+        print(f"(TierClient polls up to {TierClientConfig().spin_seconds * 1e6:.0f} us for a small reply before "
+              "sleeping; the bare and asyncio echo rows' plain client does not; the second row is the bare echo "
+              "with TierClient's code and polling)")
         print("per-round p50s: " + "; ".join(f"{k}: " + ", ".join(f"{v[0]:.0f}" for v in vals) for k, vals in rows.items()))
 
         if args.skip_bandwidth or (store == "test-double" and args.store != "test-double"):
