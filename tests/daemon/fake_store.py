@@ -101,6 +101,7 @@ class FakeSwapSpace:
         self._next = 0
         self._free: list[tuple[int, int]] = []
         self._lock = threading.Lock()
+        self.used_bytes = 0
 
     def take(self, nbytes: int) -> int:
         need = _pages(nbytes)
@@ -108,15 +109,18 @@ class FakeSwapSpace:
             for i, (off, size) in enumerate(self._free):
                 if size == need:
                     del self._free[i]
+                    self.used_bytes += need
                     return off
             if self._next + need > self.capacity_bytes:
                 raise TierFullError(f"swap space {self.path} is full")
             off, self._next = self._next, self._next + need
+            self.used_bytes += need
             return off
 
     def give(self, offset: int, nbytes: int) -> None:
         with self._lock:
             self._free.append((offset, _pages(nbytes)))
+            self.used_bytes -= _pages(nbytes)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -286,7 +290,7 @@ class FakeBackend:
         return {"bytes_read": 0, "bytes_written": 0}
 
     def space_info(self) -> dict:
-        return {"files": [self.space.path], "used_bytes": self.space._next, "capacity_bytes": self.space.capacity_bytes}
+        return {"files": [self.space.path], "used_bytes": self.space.used_bytes, "capacity_bytes": self.space.capacity_bytes}
 
     def close(self) -> None:
         self.threads.shutdown(wait=True)

@@ -55,6 +55,7 @@ def test_client_killed_mid_prefetch(daemon_factory):
     d = daemon_factory(slow=True, sessions={"reattach_grace_seconds": 4.0})
     other = _client(d, "bystander")
     base = d.status()["pool"]["used_bytes"]
+    swap_base = other.space.used_bytes
     victim = subprocess.Popen([sys.executable, "-c", VICTIM, d.socket_path], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -89,6 +90,8 @@ def test_client_killed_mid_prefetch(daemon_factory):
         st = d.status()
         return [s["job_id"] for s in st["sessions"]] == ["bystander"] and st["pool"]["used_bytes"] == base
     assert _wait_for(reclaimed, 15), d.status()
+    other.free("o")
+    assert other.space.used_bytes == swap_base  # its extents went back too
     other.close()
 
 
