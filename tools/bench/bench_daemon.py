@@ -279,7 +279,8 @@ def _raw_engine(workdir: str, args) -> float:
     total = args.regions * args.region_mib * MiB
     engine = swap.open_engine(swap.IoEngineConfig(probe_paths=[workdir]))
     buffers = [mmap.mmap(-1, batch_bytes) for _ in range(2)]
-    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if engine.name == "linux_aio" else 0)
+    direct, _ = swap.direct_io_supported(workdir)  # as the swap space opens its files
+    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
     try:
         for off in range(0, total, batch_bytes):
