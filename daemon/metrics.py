@@ -27,6 +27,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from csrc.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRANSFER_BUCKETS_SECONDS", "REQUEST_BUCKETS_SECONDS", "DaemonMetrics"]
@@ -93,7 +95,10 @@ class DaemonMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound port."""
-        result = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            result = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"[metrics] address {host}:{port}: {exc.strerror or exc}") from exc
         if isinstance(result, tuple):  # prometheus-client >= 0.17 returns (server, thread)
             self._http, self._http_thread = result
             bound = int(self._http.server_address[1])

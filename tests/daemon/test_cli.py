@@ -58,3 +58,16 @@ def test_daemon_names_a_missing_socket_directory(tmp_path):
     with pytest.raises(ConfigError, match="absent does not exist"):
         asyncio.run(server.start())
     server.backend.close()
+
+
+def test_a_taken_metrics_port_is_a_config_error():
+    import socket as socket_mod
+
+    from daemon.metrics import DaemonMetrics
+
+    with socket_mod.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"\[metrics\] address 127.0.0.1:{port}"):
+            DaemonMetrics().serve("127.0.0.1", port)
