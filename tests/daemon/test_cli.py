@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from csrc.errors import ConfigError
 from daemon.config import load_config
+from daemon.metrics import DaemonMetrics
 from daemon.server import DaemonServer
 from offload.cli import format_status, main
 from tests.daemon.fake_store import FakeBackend
@@ -61,11 +63,7 @@ def test_daemon_names_a_missing_socket_directory(tmp_path):
 
 
 def test_a_taken_metrics_port_is_a_config_error():
-    import socket as socket_mod
-
-    from daemon.metrics import DaemonMetrics
-
-    with socket_mod.socket() as taken:
+    with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
