@@ -5,6 +5,7 @@ cffi at install; see ``csrc/ofl_adam.h``.
 """
 from cpu_adam.kernels import (
     AdamConfig,
+    AdamPlan,
     Isa,
     adam_step,
     available_isas,
@@ -16,6 +17,7 @@ from cpu_adam.optimizer import CPUAdam, CPUAdamW
 
 __all__ = [
     "AdamConfig",
+    "AdamPlan",
     "CPUAdam",
     "CPUAdamW",
     "Isa",

@@ -22,12 +22,14 @@ from typing import Sequence
 
 import torch
 
-from csrc import BuildError, ConfigError, raise_errno
+from csrc import ConfigError, raise_errno
+from csrc.loader import load_extension
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "AdamConfig",
+    "AdamPlan",
     "Isa",
     "adam_step",
     "available_isas",
@@ -38,18 +40,7 @@ __all__ = [
 ]
 
 ABI_VERSION = 1
-_REBUILD = "rebuild it with `pip install -e .` (or `pip install .`) from the project root"
-
-try:
-    from csrc._adam import ffi, lib
-except ImportError as exc:  # pragma: no cover - exercised only on a broken install
-    raise BuildError(f"the compiled Adam kernels (csrc._adam) are missing: {exc}; {_REBUILD}") from exc
-
-if lib.ofl_adam_abi_version() != ABI_VERSION:  # pragma: no cover - stale build
-    raise BuildError(
-        f"csrc._adam is a stale build (ABI {lib.ofl_adam_abi_version()}, "
-        f"this code needs {ABI_VERSION}); {_REBUILD}"
-    )
+ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 
 class Isa(enum.IntEnum):
@@ -139,9 +130,29 @@ class AdamConfig:
 
 def _addresses(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | None,
                numels: Sequence[int] | None) -> array.array:
-    """Check every tensor and return their addresses as a uint64 array."""
+    """Check every tensor and return their addresses as a uint64 array.
+
+    This runs for every tensor of every step, so each check is the cheapest torch
+    offers (``is_cpu``, not ``device.type``) and the slow path only builds the message.
+    """
+    addrs = array.array("Q", [t.data_ptr() for t in tensors])
+    ok = all(t.is_cpu and t.is_contiguous() for t in tensors)
+    if ok and dtype is not None:
+        ok = all(t.dtype == dtype for t in tensors)
+    if ok and numels is not None:
+        ok = [t.numel() for t in tensors] == list(numels)
+    if not ok:
+        _explain(tensors, what, dtype, numels)
+    return addrs
+
+
+def _explain(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | None,
+             numels: Sequence[int] | None) -> None:
+    """Raise for the first tensor that fails a check (the slow path of the checks)."""
     for i, t in enumerate(tensors):
-        if t.device.type != "cpu":
+        if t.layout != torch.strided:
+            raise ConfigError(f"{what}[{i}] has layout {t.layout}; dense (strided) tensors are needed")
+        if not t.is_cpu:
             raise ConfigError(f"{what}[{i}] is on {t.device}, expected a CPU tensor")
         if dtype is not None and t.dtype != dtype:
             raise ConfigError(f"{what}[{i}] has dtype {t.dtype}, expected {dtype}")
@@ -149,14 +160,65 @@ def _addresses(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | 
             raise ConfigError(f"{what}[{i}] is not contiguous")
         if numels is not None and t.numel() != numels[i]:
             raise ConfigError(f"{what}[{i}] has {t.numel()} elements, its param has {numels[i]}")
-    return array.array("Q", [t.data_ptr() for t in tensors])
 
 
-def _grad_code(grads: Sequence[torch.Tensor], what: str) -> int:
-    dtype = grads[0].dtype if grads else torch.float32
+def _dtype_code(tensors: Sequence[torch.Tensor], what: str) -> int:
+    dtype = tensors[0].dtype
     if dtype not in _DTYPE_CODES:
         raise ConfigError(f"{what} have dtype {dtype}; supported: float32, bfloat16, float16")
     return _DTYPE_CODES[dtype]
+
+
+def _collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out):
+    """Check all tensors of one step in a single pass; return their address arrays and numels.
+
+    This runs for every tensor of every step, so it is one loop with the cheapest
+    checks torch offers (``is_cpu``, not ``device.type``); on any failure the slow
+    path finds the first bad tensor and names it.
+    """
+    f32 = torch.float32
+    gdt = grads[0].dtype
+    odt = params_out[0].dtype if params_out is not None else None
+    cols: list[list[int]] = [[], [], [], [], [], []]
+    numels: list[int] = []
+    outs = params_out if params_out is not None else grads  # zip partner; unused without outs
+    try:
+        _collect_into(cols, numels, f32, gdt, odt, zip(params, grads, exp_avgs, exp_avg_sqs, steps, outs))
+    except RuntimeError:  # e.g. a sparse tensor has no is_contiguous(); named below
+        pass
+    if len(numels) != len(params):  # name the first offender
+        want = [t.numel() for t in params]
+        _explain(params, "params", f32, None)
+        _explain(grads, "grads", gdt, want)
+        _explain(exp_avgs, "exp_avgs", f32, want)
+        _explain(exp_avg_sqs, "exp_avg_sqs", f32, want)
+        _explain(steps, "steps", f32, [1] * len(params))
+        _explain(params_out or [], "params_out", odt, want)
+        raise ConfigError("a tensor of this step failed the argument checks")  # not reached
+    return [array.array("Q", c) for c in cols], array.array("q", numels)
+
+
+def _collect_into(cols, numels, f32, gdt, odt, rows) -> None:
+    """The fast path of ``_collect``: stops at the first tensor that fails a check."""
+    cp, cg, cm, cv, cs, co = cols
+    for p, g, m, v, s, o in rows:
+        n = p.numel()
+        if not (p.dtype == f32 and m.dtype == f32 and v.dtype == f32 and s.dtype == f32
+                and g.dtype == gdt and p.is_cpu and g.is_cpu and m.is_cpu and v.is_cpu and s.is_cpu
+                and p.is_contiguous() and g.is_contiguous() and m.is_contiguous()
+                and v.is_contiguous() and g.numel() == n and m.numel() == n and v.numel() == n
+                and s.numel() == 1):
+            break
+        if odt is not None:
+            if not (o.dtype == odt and o.is_cpu and o.is_contiguous() and o.numel() == n):
+                break
+            co.append(o.data_ptr())
+        numels.append(n)
+        cp.append(p.data_ptr())
+        cg.append(g.data_ptr())
+        cm.append(m.data_ptr())
+        cv.append(v.data_ptr())
+        cs.append(s.data_ptr())
 
 
 def adam_step(
@@ -184,22 +246,19 @@ def adam_step(
     for what, seq in lists.items():
         if len(seq) != n:
             raise ConfigError(f"{what} has {len(seq)} tensors, params has {n}")
-    numels = [p.numel() for p in params]
-    grad_code = _grad_code(grads, "grads")
-    out_code = lib.OFL_DTYPE_NONE
-    if params_out is not None and n:
-        out_code = _grad_code(params_out, "params_out")
-    keep = {
-        "param": _addresses(params, "params", torch.float32, None),
-        "grad": _addresses(grads, "grads", grads[0].dtype if n else None, numels),
-        "exp_avg": _addresses(exp_avgs, "exp_avgs", torch.float32, numels),
-        "exp_avg_sq": _addresses(exp_avg_sqs, "exp_avg_sqs", torch.float32, numels),
-        "step": _addresses(steps, "steps", torch.float32, [1] * n),
-    }
-    if params_out is not None:
-        keep["param_out"] = _addresses(params_out, "params_out", params_out[0].dtype if n else None, numels)
-    numel_arr = array.array("q", numels)
+    if n == 0:
+        return False
+    grad_code = _dtype_code(grads, "grads")
+    out_code = _dtype_code(params_out, "params_out") if params_out is not None else lib.OFL_DTYPE_NONE
+    (cp, cg, cm, cv, cs, co), numels = _collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out)
 
+    return _call_adam(config, grad_scale, grad_code, out_code, [cp, cg, cm, cv, cs],
+                      co if params_out is not None else None, numels)
+
+
+def _call_adam(config: AdamConfig, grad_scale: float, grad_code: int, out_code: int,
+               cols: list[array.array], outs: array.array | None, numels: array.array) -> bool:
+    """The one call of ofl_adam_step; cols are the param, grad, exp_avg, exp_avg_sq, step addresses."""
     cfg = ffi.new("ofl_adam_config *")
     cfg.lr = config.lr
     cfg.beta1 = config.beta1
@@ -214,16 +273,75 @@ def adam_step(
     cfg.isa = resolve_isa(config.isa)
     cfg.num_threads = config.num_threads or default_num_threads()
 
+    keep = [ffi.from_buffer("uint64_t[]", c) for c in cols]
     tens = ffi.new("ofl_adam_tensors *")
-    buffers = {k: ffi.from_buffer("uint64_t[]", v) for k, v in keep.items()}
-    for field, buf in buffers.items():
-        setattr(tens, field, buf)
-    numel_buf = ffi.from_buffer("int64_t[]", numel_arr)
+    tens.param, tens.grad, tens.exp_avg, tens.exp_avg_sq, tens.step = keep
+    if outs is not None:
+        keep.append(ffi.from_buffer("uint64_t[]", outs))
+        tens.param_out = keep[-1]
+    numel_buf = ffi.from_buffer("int64_t[]", numels)
     tens.numel = numel_buf
-    tens.count = n
+    tens.count = len(numels)
     nonfinite = ffi.new("int32_t *")
     raise_errno(lib.ofl_adam_step(cfg, tens, nonfinite), "ofl_adam_step")
     return bool(nonfinite[0])
+
+
+class AdamPlan:
+    """A checked address table of params and their Adam state, built once and stepped many times.
+
+    Building it checks every tensor. Each ``step`` then checks only what changes between
+    steps: the gradients (new tensors after every backward). ``matches`` tells whether the
+    table still describes a list of params (the same tensors, at the same addresses,
+    still contiguous); ``CPUAdam`` rebuilds the table when it does not, and whenever it
+    loads a state dict, since the state tensors are then new.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]) -> None:
+        n = len(params)
+        for what, seq in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
+            if len(seq) != n:
+                raise ConfigError(f"{what} has {len(seq)} tensors, params has {n}")
+        numels = [p.numel() for p in params]
+        f32 = torch.float32
+        self._params = list(params)
+        self._state = (list(exp_avgs), list(exp_avg_sqs), list(steps))  # keeps the memory alive
+        self._param_addrs = _addresses(params, "params", f32, None)
+        self._addrs = [
+            self._param_addrs,
+            _addresses(exp_avgs, "exp_avgs", f32, numels),
+            _addresses(exp_avg_sqs, "exp_avg_sqs", f32, numels),
+            _addresses(steps, "steps", f32, [1] * n),
+        ]
+        self._numels = array.array("q", numels)
+
+    def matches(self, params: Sequence[torch.Tensor]) -> bool:
+        """True if ``params`` are this table's tensors, unmoved and contiguous."""
+        mine = self._params
+        return (len(params) == len(mine) and all(a is b for a, b in zip(params, mine))
+                and all(p.is_contiguous() for p in params)
+                and array.array("Q", [p.data_ptr() for p in params]) == self._param_addrs)
+
+    def step(self, grads: Sequence[torch.Tensor], *, config: AdamConfig, grad_scale: float = 1.0) -> bool:
+        """One Adam step of every param of the table; True if a scaled gradient was not finite."""
+        n = len(self._params)
+        if len(grads) != n:
+            raise ConfigError(f"grads has {len(grads)} tensors, the plan has {n} params")
+        if n == 0:
+            return False
+        gdt = grads[0].dtype
+        code = _dtype_code(grads, "grads")
+        try:
+            ok = all(g.dtype == gdt and g.is_cpu and g.is_contiguous() for g in grads)
+        except RuntimeError:  # sparse tensors have no is_contiguous()
+            ok = False
+        addrs = array.array("Q", [g.data_ptr() for g in grads]) if ok else None
+        if not ok or array.array("q", [g.numel() for g in grads]) != self._numels:
+            _explain(grads, "grads", gdt, self._numels)
+            raise ConfigError("a gradient failed the argument checks")  # not reached
+        return _call_adam(config, grad_scale, code, lib.OFL_DTYPE_NONE,
+                          [self._addrs[0], addrs, *self._addrs[1:]], None, self._numels)
 
 
 def grad_sumsq(grads: Sequence[torch.Tensor], *, num_threads: int | None = None,
@@ -231,7 +349,7 @@ def grad_sumsq(grads: Sequence[torch.Tensor], *, num_threads: int | None = None,
     """Sum of squares (in double) of all gradients; inf or NaN means some gradient was not finite."""
     if not grads:
         return 0.0
-    code = _grad_code(grads, "grads")
+    code = _dtype_code(grads, "grads")
     addrs = _addresses(grads, "grads", grads[0].dtype, None)
     numels = array.array("q", [g.numel() for g in grads])
     out = ffi.new("double *")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from csrc import ConfigError
-from cpu_adam.kernels import AdamConfig, Isa, adam_step, resolve_isa
+from cpu_adam.kernels import AdamConfig, AdamPlan, Isa, resolve_isa
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,10 @@ class CPUAdam(torch.optim.Optimizer):
     ``adamw_mode=True`` (the default) decays weights decoupled, as AdamW; False adds
     ``weight_decay * p`` to the gradient, as Adam. ``num_threads`` defaults to the cores
     this process may use; ``isa`` forces a path ("scalar", "avx2", "avx512").
+
+    Each group's params and state are held in an ``AdamPlan`` (their addresses, checked
+    once), so a step costs a C call plus a check of the new gradients. The state tensors
+    belong to the optimizer: replace them through ``load_state_dict``, not by hand.
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ConfigError(_UNSUPPORTED["amsgrad"])
         self._isa = resolve_isa(isa)
         self._num_threads = num_threads
+        self._plans: dict[int, AdamPlan] = {}  # group index -> checked address table
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -70,9 +75,16 @@ class CPUAdam(torch.optim.Optimizer):
             param_group = dict(param_group)
             param_group["decoupled_weight_decay"] = bool(param_group.pop("adamw_mode"))
         super().add_param_group(param_group)
+        self._plans = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # torch keeps only defaults, state and groups
+        state.update(_isa=self._isa, _num_threads=self._num_threads)
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._plans = {}  # the state tensors may be new
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", True)
             group.setdefault("bias_correction", True)
@@ -114,27 +126,33 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                grad = p.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    raise ConfigError("CPUAdam does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                params.append(p)
-                grads.append(grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-            if params:
-                adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, config=self._group_config(group))
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            config = self._group_config(group)
+            plan = self._plans.get(index)
+            if plan is None or not plan.matches(params):
+                plan = self._plans[index] = self._make_plan(params)
+            plan.step([p.grad for p in params], config=config)
         return loss
+
+    def _make_plan(self, params: list[torch.Tensor]) -> AdamPlan:
+        """Create missing state and the checked address table of ``params``."""
+        for p in params:
+            if p.grad.is_sparse:
+                raise ConfigError("CPUAdam does not support sparse gradients")
+            if p.dtype != torch.float32:
+                raise ConfigError(f"CPUAdam updates float32 params; got a {p.dtype} param of "
+                                  f"shape {tuple(p.shape)} (keep a float32 master copy)")
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        states = [self.state[p] for p in params]
+        return AdamPlan(params, [st["exp_avg"] for st in states],
+                        [st["exp_avg_sq"] for st in states], [st["step"] for st in states])
 
 
 class CPUAdamW(CPUAdam):

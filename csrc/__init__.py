@@ -7,8 +7,19 @@ same errors.
 from csrc.errors import (
     ConfigError,
     BuildError,
+    ChecksumError,
     OffloadError,
+    SwapIOError,
+    TierFullError,
     raise_errno,
 )
 
-__all__ = ["ConfigError", "BuildError", "OffloadError", "raise_errno"]
+__all__ = [
+    "ConfigError",
+    "BuildError",
+    "ChecksumError",
+    "OffloadError",
+    "SwapIOError",
+    "TierFullError",
+    "raise_errno",
+]

@@ -7,8 +7,10 @@
 
 /* Below this many elements a thread costs more to start than it saves. */
 #define OFL_MIN_ELEMS_PER_THREAD 65536
-/* Shares start on 64-element boundaries: whole cache lines of every stream. */
-#define OFL_SHARE_ALIGN 64
+/* Work is claimed in chunks of this many elements (256 KiB of each fp32 stream): small
+ * enough that a descheduled thread holds back little, large enough to stream well.
+ * A multiple of 64, so chunks start on whole cache lines of every stream. */
+#define OFL_CHUNK_ELEMS 65536
 
 int32_t ofl_adam_abi_version(void) { return OFL_ADAM_ABI_VERSION; }
 
@@ -126,10 +128,9 @@ static void adam_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
     if (bad) __atomic_store_n(&job->nonfinite, 1, __ATOMIC_RELAXED);
 }
 
-static void adam_task(void *ctx, int32_t index, int32_t count) {
+static void adam_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
     adam_job *job = (adam_job *)ctx;
-    int64_t lo, hi;
-    ofl_parallel_share(job->starts[job->t->count], index, count, OFL_SHARE_ALIGN, &lo, &hi);
+    (void)chunk;
     walk_share(job->starts, job->t->count, lo, hi, adam_segment, job);
 }
 
@@ -157,16 +158,16 @@ static void step_coeffs(const ofl_adam_config *cfg, float *step, ofl_adam_coeffs
     double t = *step;
     double bc1 = cfg->bias_correction ? 1.0 - pow(cfg->beta1, t) : 1.0;
     double bc2 = cfg->bias_correction ? 1.0 - pow(cfg->beta2, t) : 1.0;
-    c->beta1 = cfg->beta1;
-    c->one_minus_beta1 = (float)(1.0 - (double)cfg->beta1);
-    c->beta2 = cfg->beta2;
-    c->one_minus_beta2 = (float)(1.0 - (double)cfg->beta2);
-    c->eps = cfg->eps;
-    c->step_size = (float)((double)cfg->lr / bc1);
+    c->beta1 = (float)cfg->beta1;
+    c->one_minus_beta1 = (float)(1.0 - cfg->beta1);
+    c->beta2 = (float)cfg->beta2;
+    c->one_minus_beta2 = (float)(1.0 - cfg->beta2);
+    c->eps = (float)cfg->eps;
+    c->step_size = (float)(cfg->lr / bc1);
     c->inv_bias2_sqrt = (float)(1.0 / sqrt(bc2));
-    c->decay_mul = cfg->adamw_mode ? (float)(1.0 - (double)cfg->lr * cfg->weight_decay) : 1.0f;
-    c->l2_decay = cfg->adamw_mode ? 0.0f : cfg->weight_decay;
-    c->grad_scale = cfg->grad_scale;
+    c->decay_mul = cfg->adamw_mode ? (float)(1.0 - cfg->lr * cfg->weight_decay) : 1.0f;
+    c->l2_decay = cfg->adamw_mode ? 0.0f : (float)cfg->weight_decay;
+    c->grad_scale = (float)cfg->grad_scale;
 }
 
 int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,
@@ -190,7 +191,9 @@ int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,
         step_coeffs(cfg, (float *)(uintptr_t)t->step[i], &coeffs[i]);
 
     adam_job job = {cfg, t, coeffs, starts, adam_kernel_for(isa), 0};
-    ofl_parallel_run(adam_task, &job, effective_threads(cfg->num_threads, starts[t->count]));
+    int64_t total = starts[t->count];
+    ofl_parallel_chunks(adam_chunk, &job, total, OFL_CHUNK_ELEMS,
+                        effective_threads(cfg->num_threads, total));
     if (nonfinite_out) *nonfinite_out = job.nonfinite;
     free(starts);
     free(coeffs);
@@ -205,26 +208,24 @@ typedef struct {
     int64_t count;
     int32_t dtype;
     ofl_sumsq_kernel_fn kernel;
-    double *partial; /* one per worker, summed in index order: the result is deterministic */
+    double *partial; /* one per chunk, summed in chunk order: the result is deterministic */
 } sumsq_job;
 
 typedef struct {
     sumsq_job *job;
-    int32_t index;
+    int64_t chunk;
 } sumsq_visit;
 
 static void sumsq_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
     sumsq_visit *sv = (sumsq_visit *)ctx;
     sumsq_job *job = sv->job;
     const char *g = (const char *)(uintptr_t)job->grads[i] + off * dtype_bytes(job->dtype);
-    job->kernel(job->dtype, g, len, &job->partial[sv->index]);
+    job->kernel(job->dtype, g, len, &job->partial[sv->chunk]);
 }
 
-static void sumsq_task(void *ctx, int32_t index, int32_t count) {
+static void sumsq_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
     sumsq_job *job = (sumsq_job *)ctx;
-    int64_t lo, hi;
-    ofl_parallel_share(job->starts[job->count], index, count, OFL_SHARE_ALIGN, &lo, &hi);
-    sumsq_visit sv = {job, index};
+    sumsq_visit sv = {job, chunk};
     walk_share(job->starts, job->count, lo, hi, sumsq_segment, &sv);
 }
 
@@ -242,17 +243,19 @@ int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t coun
     if (count == 0) return 0;
 
     int64_t *starts = prefix_starts(numel, count);
-    int32_t workers = effective_threads(num_threads, starts ? starts[count] : 0);
-    double *partial = calloc((size_t)workers, sizeof *partial);
+    int64_t total = starts ? starts[count] : 0;
+    int64_t chunks = (total + OFL_CHUNK_ELEMS - 1) / OFL_CHUNK_ELEMS;
+    double *partial = calloc((size_t)(chunks > 0 ? chunks : 1), sizeof *partial);
     if (!starts || !partial) {
         free(starts);
         free(partial);
         return -ENOMEM;
     }
     sumsq_job job = {grads, starts, count, dtype, sumsq_kernel_for(resolved), partial};
-    ofl_parallel_run(sumsq_task, &job, workers);
+    ofl_parallel_chunks(sumsq_chunk, &job, total, OFL_CHUNK_ELEMS,
+                        effective_threads(num_threads, total));
     double s = 0.0;
-    for (int32_t i = 0; i < workers; i++) s += partial[i];
+    for (int64_t i = 0; i < chunks; i++) s += partial[i];
     *sumsq_out = s;
     free(starts);
     free(partial);
@@ -282,17 +285,16 @@ static void stream_range(float *restrict a, const float *restrict b, float *rest
     }
 }
 
-static void stream_task(void *ctx, int32_t index, int32_t count) {
+static void stream_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
     stream_job *j = (stream_job *)ctx;
-    int64_t lo, hi;
-    ofl_parallel_share(j->n, index, count, OFL_SHARE_ALIGN, &lo, &hi);
-    if (hi > lo) stream_range(j->a + lo, j->b + lo, j->c + lo, j->d + lo, hi - lo);
+    (void)chunk;
+    stream_range(j->a + lo, j->b + lo, j->c + lo, j->d + lo, hi - lo);
 }
 
 int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t n,
                            int32_t num_threads) {
     if (n < 0 || num_threads < 1 || (n > 0 && (!a || !b || !c || !d))) return -EINVAL;
     stream_job job = {a, b, c, d, n};
-    ofl_parallel_run(stream_task, &job, effective_threads(num_threads, n));
+    ofl_parallel_chunks(stream_chunk, &job, n, OFL_CHUNK_ELEMS, effective_threads(num_threads, n));
     return 0;
 }

@@ -40,14 +40,14 @@ OFL_AI void store_out8(int32_t dt, void *out, int64_t i, __m256 x) {
     _mm_storeu_si128((__m128i *)((uint16_t *)out + i), h);
 }
 
-OFL_AI void update8(const vcoeffs8 *c, int32_t gd, int32_t od, float *p, const void *g,
+OFL_AI void update8(const vcoeffs8 *c, int32_t gd, int32_t od, int l2, float *p, const void *g,
                     float *m, float *v, void *out, int64_t i, __m256 *bad) {
     __m256 pv = _mm256_loadu_ps(p + i);
     __m256 mv = _mm256_loadu_ps(m + i);
     __m256 vv = _mm256_loadu_ps(v + i);
     __m256 gv = _mm256_mul_ps(load_grad8(gd, g, i), c->gscale);
     *bad = _mm256_add_ps(*bad, _mm256_mul_ps(gv, _mm256_setzero_ps()));
-    gv = _mm256_fmadd_ps(c->l2, pv, gv);
+    if (l2) gv = _mm256_fmadd_ps(c->l2, pv, gv);
     mv = _mm256_fmadd_ps(c->b1, mv, _mm256_mul_ps(c->omb1, gv));
     vv = _mm256_fmadd_ps(c->b2, vv, _mm256_mul_ps(_mm256_mul_ps(c->omb2, gv), gv));
     __m256 den = _mm256_fmadd_ps(_mm256_sqrt_ps(vv), c->ibc2, c->eps);
@@ -58,7 +58,7 @@ OFL_AI void update8(const vcoeffs8 *c, int32_t gd, int32_t od, float *p, const v
     store_out8(od, out, i, pv);
 }
 
-OFL_AI int32_t adam_loop8(const ofl_adam_coeffs *s, int32_t gd, int32_t od, float *p,
+OFL_AI int32_t adam_loop8(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int l2, float *p,
                           const void *g, float *m, float *v, void *out, int64_t n) {
     vcoeffs8 c = {
         _mm256_set1_ps(s->beta1),    _mm256_set1_ps(s->one_minus_beta1),
@@ -70,28 +70,13 @@ OFL_AI int32_t adam_loop8(const ofl_adam_coeffs *s, int32_t gd, int32_t od, floa
     __m256 bad = _mm256_setzero_ps();
     int64_t i = 0;
 #pragma GCC unroll 4
-    for (; i + 8 <= n; i += 8) update8(&c, gd, od, p, g, m, v, out, i, &bad);
+    for (; i + 8 <= n; i += 8) update8(&c, gd, od, l2, p, g, m, v, out, i, &bad);
     int32_t nonfinite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) != 0;
-    for (; i < n; i++) nonfinite |= !isfinite(ofl_adam_update1(s, gd, od, p, g, m, v, out, i));
+    for (; i < n; i++) nonfinite |= !isfinite(ofl_adam_update1(s, gd, od, l2, p, g, m, v, out, i));
     return nonfinite;
 }
 
-#define OFL_OUT_CASES(GD)                                                             \
-    switch (out_dtype) {                                                              \
-    case OFL_DTYPE_NONE: return adam_loop8(c, GD, OFL_DTYPE_NONE, p, g, m, v, out, n); \
-    case OFL_DTYPE_F32: return adam_loop8(c, GD, OFL_DTYPE_F32, p, g, m, v, out, n);   \
-    case OFL_DTYPE_BF16: return adam_loop8(c, GD, OFL_DTYPE_BF16, p, g, m, v, out, n); \
-    default: return adam_loop8(c, GD, OFL_DTYPE_F16, p, g, m, v, out, n);              \
-    }
-
-int32_t ofl_adam_kernel_avx2(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
-                             float *p, const void *g, float *m, float *v, void *out, int64_t n) {
-    switch (grad_dtype) {
-    case OFL_DTYPE_F32: OFL_OUT_CASES(OFL_DTYPE_F32)
-    case OFL_DTYPE_BF16: OFL_OUT_CASES(OFL_DTYPE_BF16)
-    default: OFL_OUT_CASES(OFL_DTYPE_F16)
-    }
-}
+OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx2, adam_loop8)
 
 OFL_AI void sumsq_loop8(int32_t dt, const void *g, int64_t n, double *acc) {
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
@@ -113,11 +98,5 @@ OFL_AI void sumsq_loop8(int32_t dt, const void *g, int64_t n, double *acc) {
     *acc += s;
 }
 
-void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc) {
-    switch (dtype) {
-    case OFL_DTYPE_F32: sumsq_loop8(OFL_DTYPE_F32, g, n, acc); break;
-    case OFL_DTYPE_BF16: sumsq_loop8(OFL_DTYPE_BF16, g, n, acc); break;
-    default: sumsq_loop8(OFL_DTYPE_F16, g, n, acc); break;
-    }
-}
+OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx2, sumsq_loop8)
 #endif /* OFL_HAVE_X86 */

@@ -52,7 +52,7 @@ OFL_AI void store_out16(int32_t dt, void *out, int64_t i, __m512 x, __mmask16 k,
     else _mm256_storeu_si256((__m256i *)dst, h);
 }
 
-OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, float *p, const void *g,
+OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, int l2, float *p, const void *g,
                      float *m, float *v, void *out, int64_t i, __mmask16 k, int tail,
                      __m512 *bad) {
     __m512 pv = tail ? _mm512_maskz_loadu_ps(k, p + i) : _mm512_loadu_ps(p + i);
@@ -61,7 +61,7 @@ OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, float *p, const
     __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, tail), c->gscale);
     /* g * 0 is 0 for finite g and NaN otherwise; the sum keeps any NaN. */
     *bad = _mm512_add_ps(*bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
-    gv = _mm512_fmadd_ps(c->l2, pv, gv);
+    if (l2) gv = _mm512_fmadd_ps(c->l2, pv, gv);
     mv = _mm512_fmadd_ps(c->b1, mv, _mm512_mul_ps(c->omb1, gv));
     vv = _mm512_fmadd_ps(c->b2, vv, _mm512_mul_ps(_mm512_mul_ps(c->omb2, gv), gv));
     __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), c->ibc2, c->eps);
@@ -78,7 +78,7 @@ OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, float *p, const
     store_out16(od, out, i, pv, k, tail);
 }
 
-OFL_AI int32_t adam_loop16(const ofl_adam_coeffs *s, int32_t gd, int32_t od, float *p,
+OFL_AI int32_t adam_loop16(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int l2, float *p,
                            const void *g, float *m, float *v, void *out, int64_t n) {
     vcoeffs16 c = {
         _mm512_set1_ps(s->beta1),    _mm512_set1_ps(s->one_minus_beta1),
@@ -90,32 +90,15 @@ OFL_AI int32_t adam_loop16(const ofl_adam_coeffs *s, int32_t gd, int32_t od, flo
     __m512 bad = _mm512_setzero_ps();
     int64_t i = 0;
 #pragma GCC unroll 4
-    for (; i + 16 <= n; i += 16) update16(&c, gd, od, p, g, m, v, out, i, 0xffff, 0, &bad);
+    for (; i + 16 <= n; i += 16) update16(&c, gd, od, l2, p, g, m, v, out, i, 0xffff, 0, &bad);
     if (i < n) {
         __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
-        update16(&c, gd, od, p, g, m, v, out, i, k, 1, &bad);
+        update16(&c, gd, od, l2, p, g, m, v, out, i, k, 1, &bad);
     }
     return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
 }
 
-/* Each (grad, out) pair gets its own copy of the loop with the dtypes folded in. */
-#define OFL_OUT_CASES(GD)                                                              \
-    switch (out_dtype) {                                                               \
-    case OFL_DTYPE_NONE: return adam_loop16(c, GD, OFL_DTYPE_NONE, p, g, m, v, out, n); \
-    case OFL_DTYPE_F32: return adam_loop16(c, GD, OFL_DTYPE_F32, p, g, m, v, out, n);   \
-    case OFL_DTYPE_BF16: return adam_loop16(c, GD, OFL_DTYPE_BF16, p, g, m, v, out, n); \
-    default: return adam_loop16(c, GD, OFL_DTYPE_F16, p, g, m, v, out, n);              \
-    }
-
-int32_t ofl_adam_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
-                               float *p, const void *g, float *m, float *v, void *out,
-                               int64_t n) {
-    switch (grad_dtype) {
-    case OFL_DTYPE_F32: OFL_OUT_CASES(OFL_DTYPE_F32)
-    case OFL_DTYPE_BF16: OFL_OUT_CASES(OFL_DTYPE_BF16)
-    default: OFL_OUT_CASES(OFL_DTYPE_F16)
-    }
-}
+OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx512, adam_loop16)
 
 OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
@@ -137,11 +120,5 @@ OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
     *acc += _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 
-void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc) {
-    switch (dtype) {
-    case OFL_DTYPE_F32: sumsq_loop16(OFL_DTYPE_F32, g, n, acc); break;
-    case OFL_DTYPE_BF16: sumsq_loop16(OFL_DTYPE_BF16, g, n, acc); break;
-    default: sumsq_loop16(OFL_DTYPE_F16, g, n, acc); break;
-    }
-}
+OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx512, sumsq_loop16)
 #endif /* OFL_HAVE_X86 */

@@ -131,12 +131,12 @@ static inline void ofl_store_out1(int32_t dtype, void *out, int64_t i, float p) 
 
 /* One element of the update; returns the scaled gradient so callers can test it. */
 static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtype,
-                                     int32_t out_dtype, float *p, const void *g, float *m,
-                                     float *v, void *out, int64_t i) {
+                                     int32_t out_dtype, int l2, float *p, const void *g,
+                                     float *m, float *v, void *out, int64_t i) {
     float pi = p[i];
     float gi = ofl_load_grad1(grad_dtype, g, i) * c->grad_scale;
     float gs = gi;
-    gi = gi + c->l2_decay * pi;
+    if (l2) gi = gi + c->l2_decay * pi;
     float mi = c->beta1 * m[i] + c->one_minus_beta1 * gi;
     float vi = c->beta2 * v[i] + c->one_minus_beta2 * gi * gi;
     float denom = sqrtf(vi) * c->inv_bias2_sqrt + c->eps;
@@ -147,5 +147,44 @@ static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtyp
     ofl_store_out1(out_dtype, out, i, pi);
     return gs;
 }
+
+/* ---- per-ISA entry points ----
+ * Each ISA file writes one always-inline loop
+ *   LOOP(c, grad_dtype, out_dtype, l2, p, g, m, v, out, n) -> nonfinite flag
+ *   SUMSQ_LOOP(dtype, g, n, acc)
+ * and these macros define its entry points, which call the loop with every dtype pair
+ * (and the L2 term on or off) as constants, so each combination is compiled
+ * separately with its conversions folded in. */
+#define OFL_ADAM_OUT_CASES(LOOP, GD, L2)                                          \
+    switch (out_dtype) {                                                          \
+    case OFL_DTYPE_NONE: return LOOP(c, GD, OFL_DTYPE_NONE, L2, p, g, m, v, out, n); \
+    case OFL_DTYPE_F32: return LOOP(c, GD, OFL_DTYPE_F32, L2, p, g, m, v, out, n);   \
+    case OFL_DTYPE_BF16: return LOOP(c, GD, OFL_DTYPE_BF16, L2, p, g, m, v, out, n); \
+    default: return LOOP(c, GD, OFL_DTYPE_F16, L2, p, g, m, v, out, n);              \
+    }
+
+#define OFL_ADAM_GRAD_CASES(LOOP, L2)                                 \
+    switch (grad_dtype) {                                             \
+    case OFL_DTYPE_F32: OFL_ADAM_OUT_CASES(LOOP, OFL_DTYPE_F32, L2)   \
+    case OFL_DTYPE_BF16: OFL_ADAM_OUT_CASES(LOOP, OFL_DTYPE_BF16, L2) \
+    default: OFL_ADAM_OUT_CASES(LOOP, OFL_DTYPE_F16, L2)              \
+    }
+
+#define OFL_DEFINE_ADAM_KERNEL(NAME, LOOP)                                                    \
+    int32_t NAME(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype, float *p,  \
+                 const void *g, float *m, float *v, void *out, int64_t n) {                  \
+        /* the L2 term is left out at 0: 0 * inf would turn an inf param into NaN */          \
+        if (c->l2_decay != 0.0f) OFL_ADAM_GRAD_CASES(LOOP, 1)                                 \
+        OFL_ADAM_GRAD_CASES(LOOP, 0)                                                          \
+    }
+
+#define OFL_DEFINE_SUMSQ_KERNEL(NAME, SUMSQ_LOOP)                           \
+    void NAME(int32_t dtype, const void *g, int64_t n, double *acc) {       \
+        switch (dtype) {                                                    \
+        case OFL_DTYPE_F32: SUMSQ_LOOP(OFL_DTYPE_F32, g, n, acc); break;    \
+        case OFL_DTYPE_BF16: SUMSQ_LOOP(OFL_DTYPE_BF16, g, n, acc); break;  \
+        default: SUMSQ_LOOP(OFL_DTYPE_F16, g, n, acc); break;               \
+        }                                                                   \
+    }
 
 #endif /* OFL_ADAM_INTERNAL_H */

@@ -13,6 +13,9 @@ __all__ = [
     "OffloadError",
     "ConfigError",
     "BuildError",
+    "TierFullError",
+    "SwapIOError",
+    "ChecksumError",
     "DaemonNotRunningError",
     "ProtocolError",
     "QuotaExceededError",
@@ -31,6 +34,21 @@ class ConfigError(OffloadError, ValueError):
 
 class BuildError(OffloadError, ImportError):
     """The compiled C extension is missing or stale; the message says how to rebuild."""
+
+
+class TierFullError(OffloadError):
+    """A tier has no room: the host pool, the swap space's extents, or the file system
+    under a swap path (ENOSPC). The message names the region and the tier or path."""
+
+
+class SwapIOError(OffloadError, OSError):
+    """A read or write of a swap file failed, was short, or its path is unusable.
+    ``errno`` is set where the system gave one; the message names the region and path."""
+
+
+class ChecksumError(SwapIOError):
+    """Data read back from a swap file does not match the checksum taken when it was
+    written: the file was corrupted or changed underneath."""
 
 
 class DaemonNotRunningError(OffloadError, ConnectionError):

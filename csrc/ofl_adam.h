@@ -31,14 +31,14 @@
 #define OFL_DTYPE_F16 2
 
 typedef struct {
-    float lr;
-    float beta1;
-    float beta2;
-    float eps;
-    float weight_decay;
+    double lr; /* hyperparameters in double: 1 - beta2 must not lose digits */
+    double beta1;
+    double beta2;
+    double eps;
+    double weight_decay;
     int32_t adamw_mode;      /* 1: decoupled decay (AdamW); 0: L2 decay added to the gradient (Adam) */
     int32_t bias_correction; /* 1: divide the moments by (1 - beta^step); 0: use them as they are */
-    float grad_scale;        /* every gradient is multiplied by this first (1/loss_scale * clip coefficient) */
+    double grad_scale;       /* every gradient is multiplied by this first (1/loss_scale * clip coefficient) */
     int32_t grad_dtype;      /* OFL_DTYPE_F32, _BF16 or _F16 */
     int32_t out_dtype;       /* OFL_DTYPE_NONE, or _BF16 / _F16 / _F32 for the param copy */
     int32_t isa;             /* OFL_ISA_* */

@@ -35,10 +35,32 @@ void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count) {
     }
 }
 
-void ofl_parallel_share(int64_t total, int32_t index, int32_t count, int64_t align,
-                        int64_t *lo, int64_t *hi) {
-    int64_t a = total / count * index + total % count * index / count;
-    int64_t b = total / count * (index + 1) + total % count * (index + 1) / count;
-    *lo = index == 0 ? 0 : a / align * align;
-    *hi = index == count - 1 ? total : b / align * align;
+typedef struct {
+    ofl_chunk_fn fn;
+    void *ctx;
+    int64_t total;
+    int64_t chunk;
+    int64_t next; /* next chunk index to claim; atomic */
+} ofl_chunk_job;
+
+static void claim_chunks(void *arg, int32_t index, int32_t count) {
+    ofl_chunk_job *job = (ofl_chunk_job *)arg;
+    (void)index;
+    (void)count;
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        int64_t lo = k * job->chunk;
+        if (lo >= job->total) return;
+        int64_t hi = lo + job->chunk < job->total ? lo + job->chunk : job->total;
+        job->fn(job->ctx, k, lo, hi);
+    }
+}
+
+void ofl_parallel_chunks(ofl_chunk_fn fn, void *ctx, int64_t total, int64_t chunk,
+                         int32_t threads) {
+    if (total <= 0 || chunk <= 0) return;
+    int64_t chunks = (total + chunk - 1) / chunk;
+    if (threads > chunks) threads = (int32_t)chunks;
+    ofl_chunk_job job = {fn, ctx, total, chunk, 0};
+    ofl_parallel_run(claim_chunks, &job, threads);
 }

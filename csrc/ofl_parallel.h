@@ -12,9 +12,13 @@ typedef void (*ofl_task_fn)(void *ctx, int32_t index, int32_t count);
  * the call always completes. */
 void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count);
 
-/* Contiguous share [*lo, *hi) of `total` items for worker `index` of `count`, with
- * every boundary a multiple of `align` items (the last share takes the rest). */
-void ofl_parallel_share(int64_t total, int32_t index, int32_t count, int64_t align,
-                        int64_t *lo, int64_t *hi);
+typedef void (*ofl_chunk_fn)(void *ctx, int64_t chunk, int64_t lo, int64_t hi);
+
+/* Splits [0, total) into chunks of `chunk` items (the last may be shorter) and has
+ * `threads` workers claim them from a shared counter until none are left, calling
+ * fn(ctx, chunk_index, lo, hi) for each. A worker that is descheduled (a busy or
+ * shared machine) delays only the chunk it holds, not a fixed share of the work. */
+void ofl_parallel_chunks(ofl_chunk_fn fn, void *ctx, int64_t total, int64_t chunk,
+                         int32_t threads);
 
 #endif /* OFL_PARALLEL_H */

@@ -1,0 +1,473 @@
+"""TierStore: named regions in host memory, on NVMe, or both, moved by paired async verbs.
+
+``prefetch`` / ``evict`` return a handle at once; ``wait_for_prefetch`` /
+``wait_for_evict`` block until that handle's transfers are done and apply their
+outcome. A region's state changes only at those points, under the store's lock.
+
+[Note: nothing is lost] A region's host copy is freed only after its write-back is
+complete and checked. A failed evict (a full disk, an I/O error, a swap file deleted
+underneath) leaves the region in HOST with its host copy and dirty flag as they were;
+a failed prefetch leaves it on NVMe as it was. Errors name the region and the path.
+
+A verb on a region with a transfer still pending first waits for that transfer
+("settles" it); its outcome, good or bad, is still reported by the handle's wait.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from typing import Iterable
+
+from csrc import ConfigError, OffloadError
+from swap.buffers import HostBlock, HostPool, HostPoolConfig
+from swap.engine import ALIGNMENT_BYTES, IoEngine, IoEngineConfig, open_engine
+from swap.space import Placement, SwapSpace, SwapSpaceConfig
+from swap.transfer import RegionTransfer, split_chunks
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RegionInfo", "Tier", "TierStats", "TierStore", "TierStoreConfig", "TransferHandle"]
+
+_CHECKSUMS = ("crc32c", "none")
+
+
+class Tier(enum.Enum):
+    """Where a region lives, and who owns its memory."""
+
+    HOST = "host"  # only a host copy (new, or written since its last write-back): the host pool owns it, the caller reads and writes it
+    NVME = "nvme"  # only on NVMe: the swap space owns its extents; no host memory is held
+    HOST_AND_NVME = "host_and_nvme"  # a clean host copy equal to the NVMe copy: the caller reads it, and calls mark_dirty after writing it
+    IN_FLIGHT = "in_flight"  # a transfer owns the host copy: the caller must not touch it until the handle is waited for
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TierStoreConfig:
+    """How a TierStore moves regions."""
+
+    chunk_bytes: int = 8 << 20
+    """A region moves in engine requests of at most this many bytes, one checksum each; a multiple of 4096."""
+    checksum: str = "crc32c"
+    """"crc32c" (taken on write-back, verified on prefetch) or "none"."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0 or self.chunk_bytes % ALIGNMENT_BYTES:
+            raise ConfigError(f"chunk_bytes must be a positive multiple of {ALIGNMENT_BYTES}, got {self.chunk_bytes}")
+        if self.checksum not in _CHECKSUMS:
+            raise ConfigError(f"checksum must be one of {', '.join(_CHECKSUMS)}, got {self.checksum!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionInfo:
+    """A region: its logical length, where its host copy is (None when it has none), and its tier."""
+
+    name: str
+    nbytes: int
+    segment_index: int | None
+    offset: int | None
+    tier: Tier
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TierStats:
+    """A snapshot of a store. Bytes are logical (unpadded) unless the name says pool or swap."""
+
+    regions: int
+    host_bytes: int  # regions with a host copy (HOST, HOST_AND_NVME)
+    nvme_bytes: int  # regions whose NVMe copy is current (NVME, HOST_AND_NVME)
+    in_flight_bytes: int
+    dirty_bytes: int
+    host_pool_used_bytes: int
+    host_pool_capacity_bytes: int
+    swap_used_bytes: int
+    swap_capacity_bytes: int
+    bytes_read_total: int
+    bytes_written_total: int
+    read_seconds_total: float  # wall time with at least one prefetch in flight
+    write_seconds_total: float
+    read_bandwidth_bytes_per_second: float
+    write_bandwidth_bytes_per_second: float
+    errors_total: int
+    engine: str
+
+
+@dataclasses.dataclass(eq=False)
+class _Region:
+    name: str
+    nbytes: int
+    tier: Tier
+    host: HostBlock | None
+    placements: list[Placement] | None = None
+    checksums: list[int] | None = None
+    dirty: bool = True
+    pending: "_Op | None" = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Op:
+    region: _Region
+    transfer: RegionTransfer
+    new_placements: bool  # allocated for this write (released if it fails)
+    free_host: bool  # evict: free the host copy once written
+    applied: bool = False
+
+
+class TransferHandle:
+    """What prefetch/evict return; pass it to the matching wait verb."""
+
+    def __init__(self, kind: str, ops: list[_Op], names: list[str]) -> None:
+        self.kind = kind
+        self.names = names
+        self._ops = ops
+
+    def done(self) -> bool:
+        return all(op.applied for op in self._ops)
+
+    def __repr__(self) -> str:
+        return f"TransferHandle({self.kind}, {len(self.names)} region(s), done={self.done()})"
+
+
+class _Busy:
+    """Wall time during which at least one transfer of one direction was in flight."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.bytes = 0
+        self._until_ns = 0
+
+    def add(self, start_ns: int, end_ns: int, nbytes: int) -> None:
+        self.seconds += max(0, end_ns - max(start_ns, self._until_ns)) / 1e9
+        self._until_ns = max(self._until_ns, end_ns)
+        self.bytes += nbytes
+
+
+class TierStore:
+    """Named regions over a host pool and a swap space, moved by one engine. Thread safe."""
+
+    def __init__(self, config: TierStoreConfig, *, pool: HostPool, space: SwapSpace, engine: IoEngine) -> None:
+        self.config = config
+        self.pool = pool
+        self.space = space
+        self.engine = engine
+        self._lock = threading.RLock()
+        self._regions: dict[str, _Region] = {}
+        self._read = _Busy()
+        self._write = _Busy()
+        self._errors = 0
+        self._owned: list[HostPool | SwapSpace | IoEngine] = []
+        self._closed = False
+        # [Note: registered buffers] in swap.engine: pin the pool once for the engine
+        self._buffer_slots = [engine.register_buffer(seg.address, seg.nbytes) for seg in pool.segments]
+
+    @classmethod
+    def create(cls, *, host_capacity_bytes: int, swap_paths: Iterable[str], swap_capacity_bytes: int,
+               segment_bytes: int | None = None, engine_config: IoEngineConfig | None = None,
+               config: TierStoreConfig | None = None) -> "TierStore":
+        """A store that makes (and on close, closes) its own pool, engine and swap space."""
+        paths = tuple(swap_paths)
+        engine = open_engine(engine_config or IoEngineConfig(probe_paths=paths))
+        parts: list = [engine]
+        try:
+            space = SwapSpace(SwapSpaceConfig(paths=paths, capacity_bytes=swap_capacity_bytes), engine=engine)
+            parts.append(space)
+            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes))
+            parts.append(pool)
+        except BaseException:
+            for part in reversed(parts):
+                part.close()
+            raise
+        store = cls(config or TierStoreConfig(), pool=pool, space=space, engine=engine)
+        store._owned = [pool, space, engine]
+        return store
+
+    # -- regions -------------------------------------------------------------------------
+
+    def _get(self, name: str) -> _Region:
+        if self._closed:
+            raise ConfigError("the TierStore is closed")
+        region = self._regions.get(name)
+        if region is None:
+            raise ConfigError(f"no region named {name!r}")
+        return region
+
+    def _info(self, r: _Region) -> RegionInfo:
+        seg, off = (r.host.segment_index, r.host.offset) if r.host is not None else (None, None)
+        return RegionInfo(r.name, r.nbytes, seg, off, r.tier)
+
+    def allocate(self, name: str, nbytes: int) -> RegionInfo:
+        """A new region of ``nbytes`` in host memory (tier HOST, contents undefined until written)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a region name must be a non-empty string, got {name!r}")
+        if nbytes <= 0:
+            raise ConfigError(f"region {name!r}: nbytes must be > 0, got {nbytes}")
+        with self._lock:
+            if self._closed:
+                raise ConfigError("the TierStore is closed")
+            if name in self._regions:
+                raise ConfigError(f"a region named {name!r} already exists")
+            block = self.pool.allocate(nbytes, f"region {name!r}")
+            region = _Region(name, nbytes, Tier.HOST, block)
+            self._regions[name] = region
+            return self._info(region)
+
+    def info(self, name: str) -> RegionInfo:
+        with self._lock:
+            return self._info(self._get(name))
+
+    def placements(self, name: str) -> list[Placement]:
+        """Where the region's NVMe copy lives (empty if it has none yet): for tools and tests."""
+        with self._lock:
+            return list(self._get(name).placements or [])
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._regions)
+
+    def host_view(self, name: str) -> memoryview:
+        """Writable view of the region's host copy (its logical bytes); an error if it has none.
+
+        The view is valid until the region is evicted or freed: the memory then goes back to
+        the pool and may hold another region. Take a new view after each prefetch."""
+        with self._lock:
+            r = self._get(name)
+            if r.tier not in (Tier.HOST, Tier.HOST_AND_NVME):
+                hint = "prefetch it and wait first" if r.tier == Tier.NVME else "wait for its transfer first"
+                raise ConfigError(f"region {name!r} has no host copy to view (tier {r.tier.value}): {hint}")
+            return self.pool.view(r.host, r.nbytes)
+
+    def mark_dirty(self, name: str) -> None:
+        """Say that the host copy was written: the next evict writes it back."""
+        with self._lock:
+            r = self._get(name)
+            if r.tier not in (Tier.HOST, Tier.HOST_AND_NVME):
+                raise ConfigError(f"region {name!r} has no host copy to mark dirty (tier {r.tier.value})")
+            r.dirty = True
+            r.tier = Tier.HOST
+
+    def free(self, name: str) -> None:
+        """Forget a region and release its host memory and swap extents."""
+        with self._lock:
+            r = self._get(name)
+            self._settle(r)
+            self._release(r)
+            del self._regions[name]
+
+    def _release(self, r: _Region) -> None:
+        if r.host is not None:
+            self.pool.free(r.host)
+            r.host = None
+        if r.placements is not None:
+            self.space.release(r.placements)
+            r.placements = None
+
+    # -- transfers -----------------------------------------------------------------------
+
+    def _unique(self, names: Iterable[str]) -> list[_Region]:
+        if isinstance(names, str):
+            names = [names]
+        seen: dict[str, _Region] = {}
+        for name in names:
+            if name not in seen:
+                seen[name] = self._get(name)
+        return list(seen.values())
+
+    def _settled(self, names: Iterable[str]) -> list[_Region]:
+        """The named regions, once, each with no transfer pending."""
+        regions = self._unique(names)
+        for r in regions:
+            self._settle(r)
+        return regions
+
+    def _settle(self, r: _Region) -> None:
+        """Wait for a pending transfer of ``r`` and apply it; its error stays with its handle."""
+        op = r.pending
+        if op is not None:
+            op.transfer.wait(None)
+            self._apply(op)
+
+    def _submit(self, r: _Region, *, write: bool, placements: list[Placement], expected: list[int] | None,
+                new_placements: bool, free_host: bool) -> _Op:
+        transfer = RegionTransfer(name=r.name, nbytes=r.nbytes, write=write, host_address=self.pool.address(r.host),
+                                  chunks=split_chunks(placements, self.config.chunk_bytes), engine=self.engine,
+                                  space=self.space, checksum=self.config.checksum != "none", expected=expected)
+        op = _Op(r, transfer, new_placements, free_host)
+        r.pending = op
+        r.tier = Tier.IN_FLIGHT
+        return op
+
+    def prefetch(self, names: Iterable[str]) -> TransferHandle:
+        """Start reading regions that are only on NVMe into host memory; returns at once."""
+        with self._lock:
+            regions = self._settled(names)
+            todo = [r for r in regions if r.tier == Tier.NVME]
+            blocks: list[HostBlock] = []
+            try:
+                for r in todo:
+                    blocks.append(self.pool.allocate(r.nbytes, f"prefetch of region {r.name!r}"))
+            except OffloadError:
+                for b in blocks:
+                    self.pool.free(b)
+                raise
+            try:
+                self.space.check({p.file_index for r in todo for p in r.placements})
+            except OffloadError as exc:  # the open descriptor still reads it: nothing is lost
+                logger.warning("%s; reading through the open descriptor", exc)
+            ops = []
+            for r, block in zip(todo, blocks):
+                r.host = block
+                ops.append(self._submit(r, write=False, placements=r.placements, expected=r.checksums,
+                                        new_placements=False, free_host=False))
+            return TransferHandle("prefetch", ops, [r.name for r in regions])
+
+    def evict(self, names: Iterable[str]) -> TransferHandle:
+        """Start writing back the dirty ones among ``names``; their host copies are freed at wait."""
+        return self._write_back(names, free_host=True, kind="evict")
+
+    def _write_back(self, names: Iterable[str], *, free_host: bool, kind: str) -> TransferHandle:
+        with self._lock:
+            regions = self._settled(names)
+            dirty = [r for r in regions if r.tier == Tier.HOST]
+            fresh: list[_Region] = []
+            try:
+                for r in dirty:
+                    if r.placements is None:
+                        r.placements = self.space.allocate(r.nbytes, f"{kind} of region {r.name!r}")
+                        fresh.append(r)
+                self.space.check({p.file_index for r in dirty for p in r.placements})
+            except OffloadError:
+                for r in fresh:
+                    self.space.release(r.placements)
+                    r.placements = None
+                raise
+            ops = []
+            for r in regions:
+                if r.tier == Tier.HOST_AND_NVME and free_host:  # clean: nothing to write
+                    self.pool.free(r.host)
+                    r.host = None
+                    r.tier = Tier.NVME
+            for r in dirty:
+                ops.append(self._submit(r, write=True, placements=r.placements, expected=None,
+                                        new_placements=r in fresh, free_host=free_host))
+            return TransferHandle(kind, ops, [r.name for r in regions])
+
+    def _apply(self, op: _Op) -> None:
+        """Under the lock: make a finished transfer's outcome the region's state (once)."""
+        if op.applied:
+            return
+        op.applied = True
+        r, t = op.region, op.transfer
+        r.pending = None
+        if t.outcome is not None:
+            self._errors += 1
+            if t.write:  # [Note: nothing is lost]: keep the host copy, still dirty
+                if op.new_placements:
+                    self.space.release(r.placements)
+                    r.placements = None
+                r.checksums = None
+                r.tier = Tier.HOST
+                r.dirty = True
+            else:
+                self.pool.free(r.host)
+                r.host = None
+                r.tier = Tier.NVME
+            return
+        if t.write:
+            self._write.add(t.start_ns, t.end_ns, t.bytes_moved)
+            r.checksums = t.checksums if self.config.checksum != "none" else None
+            r.dirty = False
+            if op.free_host:
+                self.pool.free(r.host)
+                r.host = None
+                r.tier = Tier.NVME
+            else:
+                r.tier = Tier.HOST_AND_NVME
+        else:
+            self._read.add(t.start_ns, t.end_ns, t.bytes_moved)
+            r.dirty = False
+            r.tier = Tier.HOST_AND_NVME
+
+    def _wait(self, handle: TransferHandle, kinds: tuple[str, ...], timeout_seconds: float | None) -> None:
+        if not isinstance(handle, TransferHandle) or handle.kind not in kinds:
+            raise ConfigError(f"expected a handle from {' or '.join(kinds)}, got {handle!r}")
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        for op in handle._ops:
+            if not op.transfer.wait(deadline):
+                pending = [o.region.name for o in handle._ops if not o.applied]
+                raise TimeoutError(f"{handle.kind} not done after {timeout_seconds} s; regions still "
+                                   f"in flight: {', '.join(pending[:8])}{' ...' if len(pending) > 8 else ''}")
+        with self._lock:
+            for op in handle._ops:
+                self._apply(op)
+        errors = [op.transfer.outcome for op in handle._ops if op.transfer.outcome is not None]
+        if errors:
+            first = errors[0]
+            if len(errors) > 1 and not getattr(first, "__notes__", None):  # once, if waited for again
+                first.add_note(f"{len(errors) - 1} more region(s) of this {handle.kind} failed: "
+                               + "; ".join(str(e) for e in errors[1:4]))
+            raise first
+
+    def wait_for_prefetch(self, handle: TransferHandle, timeout_seconds: float | None = None) -> None:
+        """Block until the prefetch is done; raises the first region's error (the others in its notes)."""
+        self._wait(handle, ("prefetch",), timeout_seconds)
+
+    def wait_for_evict(self, handle: TransferHandle, timeout_seconds: float | None = None) -> None:
+        """Block until the evict is done; failed regions keep their host copies (see the note)."""
+        self._wait(handle, ("evict",), timeout_seconds)
+
+    def flush(self) -> None:
+        """Wait for every pending transfer, write back every dirty region (keeping host copies), fdatasync."""
+        with self._lock:
+            for r in list(self._regions.values()):
+                self._settle(r)
+            handle = self._write_back(list(self._regions), free_host=False, kind="flush")
+        self._wait(handle, ("flush",), None)
+        self.space.sync()
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            regions = list(self._regions.values())
+            return TierStats(
+                regions=len(regions),
+                host_bytes=sum(r.nbytes for r in regions if r.tier in (Tier.HOST, Tier.HOST_AND_NVME)),
+                nvme_bytes=sum(r.nbytes for r in regions if r.tier in (Tier.NVME, Tier.HOST_AND_NVME)),
+                in_flight_bytes=sum(r.nbytes for r in regions if r.tier == Tier.IN_FLIGHT),
+                dirty_bytes=sum(r.nbytes for r in regions if r.dirty and r.tier == Tier.HOST),
+                host_pool_used_bytes=self.pool.used_bytes,
+                host_pool_capacity_bytes=self.pool.capacity_bytes,
+                swap_used_bytes=self.space.used_bytes,
+                swap_capacity_bytes=self.space.capacity_bytes,
+                bytes_read_total=self._read.bytes,
+                bytes_written_total=self._write.bytes,
+                read_seconds_total=self._read.seconds,
+                write_seconds_total=self._write.seconds,
+                read_bandwidth_bytes_per_second=self._read.bytes / self._read.seconds if self._read.seconds else 0.0,
+                write_bandwidth_bytes_per_second=self._write.bytes / self._write.seconds if self._write.seconds else 0.0,
+                errors_total=self._errors,
+                engine=self.engine.name,
+            )
+
+    def close(self) -> None:
+        """Wait for pending transfers, free every region, close the parts this store made. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            for r in list(self._regions.values()):
+                if r.pending is not None:
+                    r.pending.transfer.abandon(lambda exc: logger.warning("on close: %s", exc))
+                    self._apply(r.pending)
+                self._release(r)
+            self._regions.clear()
+            self._closed = True
+            for slot in self._buffer_slots:
+                self.engine.unregister_buffer(slot)
+            self._buffer_slots = []
+        for part in self._owned:
+            part.close()
+
+    def __enter__(self) -> "TierStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
