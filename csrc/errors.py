@@ -16,6 +16,10 @@ __all__ = [
     "TierFullError",
     "SwapIOError",
     "ChecksumError",
+    "DaemonNotRunningError",
+    "ProtocolError",
+    "QuotaExceededError",
+    "SessionError",
     "raise_errno",
 ]
 
@@ -45,6 +49,22 @@ class SwapIOError(OffloadError, OSError):
 class ChecksumError(SwapIOError):
     """Data read back from a swap file does not match the checksum taken when it was
     written: the file was corrupted or changed underneath."""
+
+
+class DaemonNotRunningError(OffloadError, ConnectionError):
+    """No daemon answers on the socket path (or it went away); the message names the path."""
+
+
+class ProtocolError(OffloadError):
+    """A message broke the daemon protocol (bad framing, version, kind or field); says which."""
+
+
+class QuotaExceededError(OffloadError, MemoryError):
+    """A session asked for more host memory than its quota (or the node pool) has left."""
+
+
+class SessionError(OffloadError):
+    """A session cannot be opened or reattached (already attached, unknown, or refused)."""
 
 
 def raise_errno(rc: int, what: str) -> None:

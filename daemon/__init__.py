@@ -1,5 +1,30 @@
 """Daemon: the node service that owns pinned memory and NVMe swap and serves TierClient.
 
-Not built yet (issue: "Daemon: the node service ...").
+Run it with ``offload daemon --config node.toml``; a training process reaches it with
+``TierClient(TierClientConfig(socket_path=..., job_id=..., rank=...))``, which has the
+verbs of ``swap.TierStore``. Layout: ``protocol`` (messages and byte layouts), ``shm``
+(memfd segments and SCM_RIGHTS), ``sessions``, ``scheduler`` (fair NVMe queue),
+``metrics`` (Prometheus), ``handlers`` and ``server`` (asyncio), ``client``, ``config``
+(TOML), ``backend`` (the swap objects the daemon serves).
 """
-__all__: list[str] = []
+from daemon.client import TierClient, TierClientConfig, daemon_status
+from daemon.config import (DaemonConfig, MetricsConfig, PoolConfig, SchedulerConfig, ServerConfig, SessionConfig,
+                           load_config)
+from daemon.metrics import DaemonMetrics
+from daemon.server import DaemonServer, run_daemon
+
+__all__ = [
+    "TierClient",
+    "TierClientConfig",
+    "daemon_status",
+    "DaemonConfig",
+    "ServerConfig",
+    "PoolConfig",
+    "SessionConfig",
+    "SchedulerConfig",
+    "MetricsConfig",
+    "load_config",
+    "DaemonMetrics",
+    "DaemonServer",
+    "run_daemon",
+]

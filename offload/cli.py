@@ -1,11 +1,17 @@
-"""The ``offload`` command."""
+"""The ``offload`` command: ``info``, ``daemon`` (the node service) and ``status``."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from typing import Any
+
+from csrc.errors import OffloadError
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "/run/offload/daemon.sock"
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -17,13 +23,107 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _daemon(args: argparse.Namespace) -> int:
+    from daemon.config import load_config
+    from daemon.server import run_daemon
+
+    overrides = {
+        "server.socket_path": args.socket,
+        "pool.capacity_bytes": args.pool_bytes,
+        "pool.segment_bytes": args.segment_bytes,
+        "sessions.default_quota_bytes": args.quota_bytes,
+        "sessions.reattach_grace_seconds": args.grace_seconds,
+        "swap.paths": args.swap_path,
+        "swap.capacity_bytes": args.swap_bytes,
+        "metrics.address": args.metrics_address,
+    }
+    config = load_config(args.config, overrides)
+    return run_daemon(config)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The STATUS reply as the table ``offload status`` prints."""
+    pool = status["pool"]
+    lines = [
+        f"engine      {status['engine']}",
+        f"uptime      {status['uptime_seconds']:.0f} s",
+        f"pool        {_bytes(pool['used_bytes'])} used of {_bytes(pool['capacity_bytes'])}",
+        f"moved       read {_bytes(status['bytes_moved']['read'])} "
+        f"({_bytes(status['bytes_per_second']['read'])}/s), "
+        f"write {_bytes(status['bytes_moved']['write'])} ({_bytes(status['bytes_per_second']['write'])}/s)",
+        f"queue       {status['queued']} queued, {status['inflight']} in flight",
+        f"metrics     {status.get('metrics_address') or 'off'}",
+        "",
+    ]
+    header = ("JOB", "RANK", "STATE", "QUOTA", "REGIONS", "HOST", "NVME", "IN FLIGHT", "DIRTY", "REGIONS BY TIER")
+    rows = [header]
+    for s in status["sessions"]:
+        stats = s.get("stats", {})
+
+        def b(key: str) -> str:
+            return _bytes(stats[key]) if isinstance(stats.get(key), (int, float)) else "-"
+        by_tier = " ".join(f"{t.lower()}={n}" for t, n in sorted(s.get("regions_by_tier", {}).items())) or "-"
+        rows.append((s["job_id"], str(s["rank"]), s["state"], _bytes(s["quota_bytes"]), str(stats.get("regions", "-")),
+                     b("host_bytes"), b("nvme_bytes"), b("in_flight_bytes"), b("dirty_bytes"), by_tier))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    if len(rows) == 1:
+        lines.append("(no sessions)")
+    return "\n".join(lines)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from daemon.client import daemon_status
+
+    status = daemon_status(args.socket, timeout_seconds=args.timeout_seconds)
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description="Memory-tiered offload engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this build runs: ISA paths, threads").set_defaults(fn=_info)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.fn(args)
+
+    d = sub.add_parser("daemon", help="run the node daemon in the foreground (SIGTERM drains and exits)")
+    d.add_argument("--config", help="node.toml; flags below override it")
+    d.add_argument("--socket", help="Unix socket path ([server] socket_path)")
+    d.add_argument("--pool-bytes", type=int, help="node host pool ([pool] capacity_bytes)")
+    d.add_argument("--segment-bytes", type=int, help="memfd segment size ([pool] segment_bytes)")
+    d.add_argument("--quota-bytes", type=int, help="default session quota ([sessions] default_quota_bytes)")
+    d.add_argument("--grace-seconds", type=float, help="reattach grace ([sessions] reattach_grace_seconds)")
+    d.add_argument("--swap-path", action="append", help="swap directory, repeatable ([swap] paths)")
+    d.add_argument("--swap-bytes", type=int, help="swap capacity ([swap] capacity_bytes)")
+    d.add_argument("--metrics-address", help="host:port for /metrics, '' for none ([metrics] address)")
+    d.add_argument("--log-level", default="INFO")
+    d.set_defaults(fn=_daemon)
+
+    s = sub.add_parser("status", help="what the daemon holds, as a table")
+    s.add_argument("--socket", default=DEFAULT_SOCKET)
+    s.add_argument("--json", action="store_true", help="the raw STATUS reply")
+    s.add_argument("--timeout-seconds", type=float, default=10.0)
+    s.set_defaults(fn=_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args)
+    except OffloadError as exc:
+        print(f"offload {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

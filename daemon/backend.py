@@ -1,0 +1,168 @@
+"""The store-facing side of the daemon: build the swap objects, and carry their values on the wire.
+
+The daemon serves the swap package's ``TierStore``: one ``SwapSpace`` and one I/O
+engine shared by every session, and per session its own ``HostPool`` (memfd
+segments, sized by the session's quota) under its own ``TierStore``. ``SwapBackend``
+builds them from the daemon's config. Anything with the same members can stand in
+for it (the tests use a test double where the swap package is absent):
+``engine_name``, ``open_store(quota_bytes) -> SessionStore``, ``engine_stats()``,
+``space_info()``, ``close()``.
+
+``region_to_wire`` / ``region_from_wire`` and ``stats_to_wire`` / ``stats_from_wire``
+turn ``RegionInfo`` and ``TierStats`` into JSON fields and back; enum values travel by
+name (``Tier.HOST_AND_NVME`` as ``"HOST_AND_NVME"``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
+
+from csrc.errors import ConfigError
+from daemon.config import PoolConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SessionStore", "StoreBackend", "SwapBackend", "region_to_wire", "region_from_wire",
+           "stats_to_wire", "stats_from_wire"]
+
+try:  # the swap layer (issue 3); the daemon cannot serve without it
+    import swap as _swap
+
+    _HAVE_SWAP = hasattr(_swap, "TierStore")
+except ImportError:  # only while the swap package is absent from a build
+    _swap = None
+    _HAVE_SWAP = False
+
+
+class SessionStore(NamedTuple):
+    """What one session gets: its store, its pool's segments (.fd/.nbytes/.index), and how to close both."""
+
+    store: Any
+    segments: Sequence[Any]
+    close: Callable[[], None]
+
+
+class StoreBackend(Protocol):
+    engine_name: str
+
+    def open_store(self, quota_bytes: int) -> SessionStore: ...
+
+    def engine_stats(self) -> dict[str, Any]: ...
+
+    def space_info(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class _RegionInfo(NamedTuple):
+    """Stand-in for ``swap.RegionInfo`` where the swap package is absent (tests only)."""
+
+    name: str
+    nbytes: int
+    segment_index: int | None
+    offset: int | None
+    tier: str
+
+
+class SwapBackend:
+    """The real thing: swap's HostPool/SwapSpace/engine/TierStore built from the daemon config."""
+
+    def __init__(self, pool: PoolConfig, swap: Mapping[str, Any], io: Mapping[str, Any],
+                 store: Mapping[str, Any]) -> None:
+        if not _HAVE_SWAP:
+            raise ConfigError("the swap package (TierStore) is not installed in this build; the daemon cannot serve")
+        swap = dict(swap)
+        if not swap.get("paths"):
+            raise ConfigError("[swap] paths must name at least one directory")
+        swap["paths"] = [str(p) for p in swap["paths"]]
+        io = dict(io)
+        io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
+        self._pool_config = pool
+        self._store_config = _swap.TierStoreConfig(**dict(store))
+        self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
+        try:
+            self._space = _swap.SwapSpace(_swap.SwapSpaceConfig(**swap), engine=self._engine)
+        except BaseException:
+            self._engine.close()
+            raise
+        self.engine_name = str(self._engine.name)
+        logger.info("swap: engine %s, %d file(s), %d bytes", self.engine_name, len(self._space.files),
+                    self._space.capacity_bytes)
+
+    def open_store(self, quota_bytes: int) -> SessionStore:
+        seg = min(self._pool_config.segment_bytes, quota_bytes)
+        host = _swap.HostPool(_swap.HostPoolConfig(capacity_bytes=quota_bytes, segment_bytes=seg))
+        try:
+            store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._engine)
+        except BaseException:
+            host.close()
+            raise
+
+        def close() -> None:
+            try:
+                store.close()  # frees every region's extents in the shared space
+            finally:
+                host.close()
+
+        return SessionStore(store, list(host.segments), close)
+
+    def engine_stats(self) -> dict[str, Any]:
+        return dict(self._engine.stats())
+
+    def space_info(self) -> dict[str, Any]:
+        return {"files": [f.path for f in self._space.files], "used_bytes": self._space.used_bytes,
+                "capacity_bytes": self._space.capacity_bytes}
+
+    def close(self) -> None:
+        try:
+            self._space.close()
+        finally:
+            self._engine.close()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k.name if isinstance(k, enum.Enum) else k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return dict(obj)
+    if dataclasses.is_dataclass(obj):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "_asdict"):
+        return dict(obj._asdict())
+    return dict(vars(obj))
+
+
+def region_to_wire(info: Any) -> dict[str, Any]:
+    return {k: _plain(v) for k, v in _fields(info).items()}
+
+
+def region_from_wire(fields: dict[str, Any]) -> Any:
+    if _HAVE_SWAP:
+        values = dict(fields)
+        if isinstance(values.get("tier"), str):
+            values["tier"] = _swap.Tier[values["tier"]]
+        return _swap.RegionInfo(**values)
+    return _RegionInfo(**fields)
+
+
+def stats_to_wire(stats: Any) -> dict[str, Any]:
+    return {k: _plain(v) for k, v in _fields(stats).items()}
+
+
+def stats_from_wire(fields: dict[str, Any]) -> Any:
+    if _HAVE_SWAP:
+        try:
+            return _swap.TierStats(**fields)
+        except TypeError:  # a test double's stats: keep them as they came
+            logger.debug("stats fields are not TierStats'; returning a dict")
+    return dict(fields)

@@ -1,0 +1,251 @@
+"""What the daemon does for each request kind (the protocol is in ``daemon.protocol``).
+
+[Note: what runs on the loop] Bookkeeping verbs (ALLOCATE, MARK_DIRTY, REGION, STATS,
+PING, REPORT_STEP, PLACEMENTS, ENGINE, SPACE, and the submit half of PREFETCH
+and EVICT) are answered inline from the event loop: the store defines them as
+in-memory operations under its lock, which no transfer holds for long, and a thread
+hop would double the small-request round trip. Everything that waits on I/O runs in
+a worker thread (``asyncio.to_thread``) inside a scheduler job: the store's
+prefetch/evict/flush, their waits, and FREE while the session has I/O under way (the
+store settles a region's pending transfer before freeing it), and STATUS, which walks
+every region of every session.
+
+[Note: client-visible state] The daemon waits for every transfer as soon as the
+scheduler has started it, so that it can start the next; a local ``TierStore``
+changes a region's state only when its caller waits. To keep the interface the same,
+a region named by a prefetch or evict the client has not waited for yet shows as
+``IN_FLIGHT`` to that client (REGION, host views, MARK_DIRTY, STATS' in-flight bytes),
+as it would on a local store, until the client's WAIT returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+from csrc.errors import ConfigError, ProtocolError
+from daemon.backend import StoreBackend, region_to_wire, stats_to_wire
+from daemon.metrics import DaemonMetrics
+from daemon.protocol import PROTOCOL_VERSION, Kind
+from daemon.scheduler import FairScheduler, JobClass
+from daemon.sessions import Session, SessionTable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Handlers", "SYNC_KINDS", "needs_session", "no_session_error"]
+
+SYNC_KINDS = frozenset(
+    {Kind.ALLOCATE, Kind.MARK_DIRTY, Kind.REGION, Kind.PREFETCH, Kind.EVICT, Kind.STATS, Kind.REPORT_STEP,
+     Kind.PING, Kind.PLACEMENTS, Kind.ENGINE, Kind.SPACE}
+)
+"""Kinds answered inline on the loop; the rest run as tasks (see the note)."""
+
+_IN_FLIGHT = "IN_FLIGHT"
+
+
+def _field(obj: Any, name: str, default: Any = 0) -> Any:
+    return obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+
+
+class Handlers:
+    """Request handlers over one daemon's sessions, scheduler, backend and metrics."""
+
+    def __init__(self, sessions: SessionTable, scheduler: FairScheduler, backend: StoreBackend,
+                 metrics: DaemonMetrics) -> None:
+        self.sessions = sessions
+        self.scheduler = scheduler
+        self.backend = backend
+        self.metrics = metrics
+        self.started_at = time.monotonic()
+        self.bytes_moved = {"read": 0, "write": 0}
+        self.busy_seconds = {"read": 0.0, "write": 0.0}
+        self.metrics_address = ""
+
+    # -- bookkeeping, inline ---------------------------------------------------------
+    def allocate(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        return {"region": region_to_wire(s.store.allocate(body["name"], body["nbytes"]))}
+
+    def region(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["name"]
+        wire = region_to_wire(s.store.info(name))
+        if name in s.unwaited:
+            wire["tier"] = _IN_FLIGHT
+        if body["view"]:
+            if wire["tier"] == _IN_FLIGHT:
+                raise ConfigError(f"region {name!r} has no host copy to view (tier in_flight): "
+                                  "wait for its prefetch or evict first")
+            s.store.host_view(name)  # the store's own checks and errors (no host copy: prefetch it)
+        return {"region": wire}
+
+    def mark_dirty(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["name"]
+        if name in s.unwaited:
+            s.store.info(name)  # an unknown name is the store's error
+            raise ConfigError(f"region {name!r} has no host copy to mark dirty (tier in_flight)")
+        s.store.mark_dirty(name)
+        return {}
+
+    def stats(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        wire = stats_to_wire(s.store.stats())
+        if s.unwaited and "in_flight_bytes" in wire:
+            hidden = 0  # transfers done in the daemon that the client has not waited for
+            for name in s.unwaited:
+                info = s.store.info(name)
+                if region_to_wire(info)["tier"] != _IN_FLIGHT:
+                    hidden += info.nbytes
+            wire["in_flight_bytes"] += hidden
+        return {"stats": wire}
+
+    def placements(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        return {"placements": [list(p) for p in s.store.placements(body["name"])]}
+
+    def engine(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
+        return {"name": self.backend.engine_name, "stats": self.backend.engine_stats()}
+
+    def space(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
+        return self.backend.space_info()
+
+    def report_step(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        seconds = float(body["seconds"])
+        if not 0 <= seconds < 86400:
+            raise ValueError(f"step seconds must be in [0, 86400), got {seconds}")
+        self.metrics.optimizer_step_seconds.observe(seconds)
+        return {}
+
+    def ping(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def _session_row(x: Session) -> dict[str, Any]:
+        """One session's status; in a worker thread, as it walks every region."""
+        try:
+            stats = stats_to_wire(x.store.stats())
+            tiers: dict[str, int] = {}
+            for name in x.store.names():
+                tier = region_to_wire(x.store.info(name))["tier"]
+                tiers[tier] = tiers.get(tier, 0) + 1
+        except Exception as exc:  # a store closing under us: report it, do not fail the status
+            stats, tiers = {"error": str(exc)}, {}
+        return {"job_id": x.job_id, "rank": x.rank, "state": x.state.value, "quota_bytes": x.quota_bytes,
+                "stats": stats, "regions_by_tier": tiers}
+
+    async def status(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
+        sessions = list(self.sessions)
+        rows = await asyncio.to_thread(lambda: [self._session_row(x) for x in sessions])
+        bandwidth = {d: (self.bytes_moved[d] / self.busy_seconds[d] if self.busy_seconds[d] else 0.0)
+                     for d in self.bytes_moved}
+        return {"version": PROTOCOL_VERSION, "engine": self.backend.engine_name,
+                "metrics_address": self.metrics_address, "uptime_seconds": time.monotonic() - self.started_at,
+                "pool": {"capacity_bytes": self.sessions.capacity_bytes, "used_bytes": self.sessions.used_bytes},
+                "bytes_moved": dict(self.bytes_moved), "bytes_per_second": bandwidth,
+                "queued": self.scheduler.depth(), "inflight": self.scheduler.inflight, "sessions": rows}
+
+    # -- I/O through the scheduler ---------------------------------------------------
+    def _transfer(self, s: Session, body: dict[str, Any], kind: str) -> dict[str, Any]:
+        names = list(dict.fromkeys(body["names"]))
+        infos = [s.store.info(n) for n in names]  # unknown names fail now, as on a local store
+        direction = "read" if kind == "prefetch" else "write"
+        moving = "NVME" if kind == "prefetch" else "HOST"  # what has bytes to move: absent, or dirty
+        cost = sum(i.nbytes for i in infos if region_to_wire(i)["tier"] == moving)
+        start, wait = (s.store.prefetch, s.store.wait_for_prefetch) if kind == "prefetch" else \
+            (s.store.evict, s.store.wait_for_evict)
+
+        def transfer() -> None:  # in a worker thread: the store may settle a pending region first
+            wait(start(names))
+
+        async def run() -> None:
+            t0 = time.monotonic()
+            await asyncio.to_thread(transfer)
+            self._moved(direction, cost, time.monotonic() - t0)
+
+        cls = JobClass.PREFETCH if kind == "prefetch" else JobClass.WRITEBACK
+        future = self.scheduler.submit(s.key, cls, cost, run, names)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if never waited
+        return {"handle": s.new_handle(kind, names, future)}
+
+    def prefetch(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        return self._transfer(s, body, "prefetch")
+
+    def evict(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        return self._transfer(s, body, "evict")
+
+    def _moved(self, direction: str, nbytes: int, seconds: float) -> None:
+        """A job moved ``nbytes`` (logical: the regions that were absent, or dirty)."""
+        self.bytes_moved[direction] += nbytes
+        self.busy_seconds[direction] += seconds
+        self.metrics.swap_bytes.labels(tier="nvme", direction=direction).inc(nbytes)
+        self.metrics.transfer_seconds.labels(direction=direction).observe(seconds)
+
+    async def wait(self, s: Session, body: dict[str, Any], kind: str) -> dict[str, Any]:
+        number, timeout = body["handle"], body["timeout_seconds"]
+        h = s.handles.get(number)
+        if h is None or h.kind != kind:
+            what = f"a {h.kind} handle" if h else "no pending handle"
+            raise ConfigError(f"expected a handle from {kind}, got {what} ({number})")
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(h.future), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{kind} not done after {timeout} s; regions still in flight: "
+                               f"{', '.join(h.names[:8])}{' ...' if len(h.names) > 8 else ''}") from None
+        finally:
+            if h.future.done():
+                s.waited(number)
+            if kind == "prefetch":
+                self.metrics.prefetch_wait_seconds.observe(time.monotonic() - t0)
+        return {}
+
+    async def wait_prefetch(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.wait(s, body, "prefetch")
+
+    async def wait_evict(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.wait(s, body, "evict")
+
+    async def flush(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        cost = int(_field(s.store.stats(), "dirty_bytes", 1))
+
+        async def run() -> None:
+            t0 = time.monotonic()
+            await asyncio.to_thread(s.store.flush)
+            self._moved("write", cost, time.monotonic() - t0)
+
+        await self.scheduler.submit(s.key, JobClass.WRITEBACK, cost, run)
+        return {}
+
+    async def free(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["name"]
+        if not self.scheduler.busy(s.key):
+            s.store.free(name)  # nothing in flight for this session: free cannot block
+        else:
+            async def run() -> None:
+                await asyncio.to_thread(s.store.free, name)
+            await self.scheduler.submit(s.key, JobClass.WRITEBACK, 1, run, [name])
+        s.unwaited.pop(name, None)
+        return {}
+
+    async def bye(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        await self.sessions.reclaim(s)
+        return {}
+
+    def table(self) -> dict[Kind, Callable[..., dict[str, Any] | Awaitable[dict[str, Any]]]]:
+        return {
+            Kind.ALLOCATE: self.allocate, Kind.FREE: self.free, Kind.MARK_DIRTY: self.mark_dirty,
+            Kind.REGION: self.region, Kind.PREFETCH: self.prefetch, Kind.WAIT_PREFETCH: self.wait_prefetch,
+            Kind.EVICT: self.evict, Kind.WAIT_EVICT: self.wait_evict, Kind.FLUSH: self.flush,
+            Kind.STATS: self.stats, Kind.REPORT_STEP: self.report_step, Kind.PING: self.ping,
+            Kind.STATUS: self.status, Kind.BYE: self.bye, Kind.PLACEMENTS: self.placements,
+            Kind.ENGINE: self.engine, Kind.SPACE: self.space,
+        }
+
+
+_SESSIONLESS = frozenset({Kind.PING, Kind.STATUS, Kind.HELLO, Kind.ENGINE, Kind.SPACE})
+
+
+def needs_session(kind: Kind) -> bool:
+    return kind not in _SESSIONLESS
+
+
+def no_session_error(kind: Kind) -> ProtocolError:
+    return ProtocolError(f"{kind.name} before HELLO: open a session first")
+

@@ -1,0 +1,259 @@
+"""The daemon's control protocol over a Unix stream socket.
+
+Transport
+---------
+A client connects to the daemon's Unix socket (mode 0660; the daemon checks the peer's
+uid with SO_PEERCRED and closes the connection of a uid it does not allow). Both sides
+send *frames*. Payloads (tensor bytes) never travel on the socket: they live in the
+session's shared-memory segments (see ``daemon.shm``).
+
+Frame layout (little-endian, 16-byte header, then the body)::
+
+    offset  size  field
+    0       4     body_nbytes   u32   length of the body that follows the header
+    4       2     kind          u16   a ``Kind`` value; a reply repeats its request's kind
+    6       2     flags         u16   bit 0 REPLY, bit 1 ERROR, bit 2 FDS (fds ride with this frame)
+    8       8     request_id    u64   chosen by the client; echoed in exactly one reply
+    16      n     body          UTF-8 JSON object (n == body_nbytes; ``{}`` may be sent as n=0)
+
+Rules
+-----
+* The first request on a connection is HELLO (PING, STATUS, ENGINE and SPACE need no
+  session). Its body carries ``version``; a version the daemon does not speak gets an
+  error reply and the connection is closed. One session per connection.
+* Every request gets exactly one reply with the same ``request_id``: a REPLY frame with
+  the fields listed below, or a REPLY|ERROR frame with ``{"error", "message", "errno"?}``.
+  ``error`` names a class of ``csrc.errors`` (``ProtocolError``, ``QuotaExceededError``,
+  ``SessionError``, ``TierFullError``, ``SwapIOError``...) or one of ``KeyError``,
+  ``ValueError``, ``TimeoutError``, ``OSError``, with ``errno`` for OSErrors;
+  ``TierClient`` raises that class again, so callers see what a local
+  ``TierStore`` would raise.
+* A header whose ``body_nbytes`` exceeds the daemon's ``max_message_bytes`` gets an error
+  reply and the connection is closed (framing can no longer be trusted). A body that is
+  not a JSON object, an unknown kind, a missing, extra or ill-typed field gets an error
+  reply and the connection goes on. A connection that ends mid-frame is dropped. None
+  of this touches any other session.
+* The HELLO reply carries the session's memfd segments as SCM_RIGHTS ancillary data on
+  the frame's first byte (FDS flag set), in the order of its ``segments`` list. No other
+  frame carries fds, and the daemon never accepts fds, addresses or offsets from a client.
+* A client may pipeline requests; replies to bookkeeping requests come in order, replies
+  to waits, FLUSH, FREE and BYE come when they are done (match them by ``request_id``).
+
+Messages (kind number: request fields -> reply fields)
+-----------------------------------------------------
+HELLO 1          version int, job_id str, rank int, quota_bytes int (0: the daemon's default)
+                 -> version, session_id, reattached bool, quota_bytes, segments [{index, nbytes}]
+                    (and the segments' fds, see above)
+ALLOCATE 2       name str, nbytes int -> region {name, nbytes, segment_index, offset, tier}
+FREE 3           name -> {}
+MARK_DIRTY 4     name -> {}
+REGION 5         name, view bool -> region (as ALLOCATE). view=true: the client is about to map
+                 the region, so it must have a host copy (else the store's ConfigError). A region
+                 named by a prefetch or evict the client has not waited for shows tier IN_FLIGHT
+                 (see [Note: client-visible state] in daemon.handlers).
+PREFETCH 6       names [str] -> handle int (the transfer is queued in the fair scheduler)
+WAIT_PREFETCH 7  handle int, timeout_seconds float|null -> {} (or the transfer's error;
+                 TimeoutError leaves the transfer running, and it can be waited for again)
+EVICT 8          names [str] -> handle int
+WAIT_EVICT 9     handle int, timeout_seconds float|null -> {}
+FLUSH 10         {} -> {} once every dirty region is written back (host copies kept)
+STATS 11         {} -> stats {TierStats fields}
+REPORT_STEP 12   seconds float (one optimizer step) -> {}
+PING 13          {} -> {}
+STATUS 14        {} -> version, engine, metrics_address, uptime_seconds, pool {capacity_bytes,
+                 used_bytes}, bytes_moved {read, write}, bytes_per_second {read, write}, queued,
+                 inflight, sessions [{job_id, rank, state, quota_bytes, stats, regions_by_tier}]
+BYE 15           {} -> {}; the session is closed now (memory and extents freed)
+PLACEMENTS 16    name -> placements [[file_index, file_offset, region_offset, nbytes]]
+ENGINE 17        {} -> name, stats {the engine's counters} (one engine serves every session)
+SPACE 18         {} -> files [path], used_bytes, capacity_bytes
+
+All integers are JSON numbers (exact up to 2**53); names are UTF-8 strings.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import struct
+from typing import Any, NamedTuple
+
+from csrc.errors import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "HEADER",
+    "Kind",
+    "Flag",
+    "Frame",
+    "FrameDecoder",
+    "encode_frame",
+    "decode_body",
+    "check_fields",
+    "error_body",
+]
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<IHHQ")
+"""body_nbytes u32, kind u16, flags u16, request_id u64: 16 bytes."""
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    ALLOCATE = 2
+    FREE = 3
+    MARK_DIRTY = 4
+    REGION = 5
+    PREFETCH = 6
+    WAIT_PREFETCH = 7
+    EVICT = 8
+    WAIT_EVICT = 9
+    FLUSH = 10
+    STATS = 11
+    REPORT_STEP = 12
+    PING = 13
+    STATUS = 14
+    BYE = 15
+    PLACEMENTS = 16
+    ENGINE = 17
+    SPACE = 18
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    REPLY = 1
+    ERROR = 2
+    FDS = 4
+
+
+class Frame(NamedTuple):
+    kind: int
+    flags: int
+    request_id: int
+    body: bytes
+
+
+_OPT_NUM = (int, float, type(None))
+# Request fields per kind: name -> accepted types. Every field is required.
+REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
+    Kind.HELLO: {"version": (int,), "job_id": (str,), "rank": (int,), "quota_bytes": (int,)},
+    Kind.ALLOCATE: {"name": (str,), "nbytes": (int,)},
+    Kind.FREE: {"name": (str,)},
+    Kind.MARK_DIRTY: {"name": (str,)},
+    Kind.REGION: {"name": (str,), "view": (bool,)},
+    Kind.PREFETCH: {"names": (list,)},
+    Kind.WAIT_PREFETCH: {"handle": (int,), "timeout_seconds": _OPT_NUM},
+    Kind.EVICT: {"names": (list,)},
+    Kind.WAIT_EVICT: {"handle": (int,), "timeout_seconds": _OPT_NUM},
+    Kind.FLUSH: {},
+    Kind.STATS: {},
+    Kind.REPORT_STEP: {"seconds": (int, float)},
+    Kind.PING: {},
+    Kind.STATUS: {},
+    Kind.BYE: {},
+    Kind.PLACEMENTS: {"name": (str,)},
+    Kind.ENGINE: {},
+    Kind.SPACE: {},
+}
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_DECODER = json.JSONDecoder()
+_pack = HEADER.pack
+
+
+def encode_frame(kind: int, request_id: int, body: dict[str, Any] | None = None, flags: int = 0) -> bytes:
+    """One frame: header and JSON body."""
+    payload = _ENCODER.encode(body).encode() if body else b""
+    return _pack(len(payload), kind, flags, request_id) + payload
+
+
+def decode_body(frame: Frame) -> dict[str, Any]:
+    """The body of ``frame`` as a dict; ``ProtocolError`` when it is not a JSON object."""
+    if not frame.body:
+        return {}
+    try:
+        body = _DECODER.decode(frame.body.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"request {frame.request_id}: body is not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"request {frame.request_id}: body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+_KINDS = {int(k): k for k in Kind}
+
+
+def check_fields(kind: int, body: dict[str, Any]) -> Kind:
+    """Validate a request body against its kind; returns the ``Kind``."""
+    k = _KINDS.get(kind)
+    if k is None:
+        raise ProtocolError(f"unknown message kind {kind}")
+    spec = REQUEST_FIELDS[k]
+    if not spec and not body:
+        return k
+    for name in body:
+        if name not in spec:
+            raise ProtocolError(f"{k.name}: unknown field {name!r}")
+    for name, types in spec.items():
+        if name not in body:
+            raise ProtocolError(f"{k.name}: missing field {name!r}")
+        value = body[name]
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise ProtocolError(f"{k.name}: field {name!r} has type {type(value).__name__}")
+    if "names" in spec and not all(isinstance(n, str) for n in body["names"]):
+        raise ProtocolError(f"{k.name}: field 'names' must be a list of strings")
+    return k
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """The body of an error reply for ``exc``."""
+    body: dict[str, Any] = {"error": type(exc).__name__, "message": str(exc.args[0]) if
+                            isinstance(exc, KeyError) and exc.args else str(exc)}
+    if isinstance(exc, OSError) and exc.errno is not None:
+        body["errno"] = exc.errno
+        body["message"] = exc.strerror or str(exc)
+    return body
+
+
+class FrameDecoder:
+    """Splits a byte stream into frames; raises ``ProtocolError`` on an oversized header.
+
+    After an oversized header the stream cannot be re-synchronised: the caller replies
+    with an error (``oversized_request_id``) and closes the connection.
+    """
+
+    def __init__(self, max_body_bytes: int) -> None:
+        self._max = max_body_bytes
+        self._buf = bytearray()
+        self.oversized_request_id: int | None = None
+
+    def feed(self, data: bytes) -> list[Frame]:
+        if self._buf:
+            self._buf += data
+            buf: bytes | bytearray = self._buf
+        else:
+            buf = data  # the usual case: whole frames in one read, parsed without a copy
+        frames: list[Frame] = []
+        off, end_of_data = 0, len(buf)
+        unpack = HEADER.unpack_from
+        hsize = HEADER.size
+        while end_of_data - off >= hsize:
+            nbytes, kind, flags, request_id = unpack(buf, off)
+            if nbytes > self._max:
+                self.oversized_request_id = request_id
+                self._buf = bytearray()
+                raise ProtocolError(f"request {request_id}: body of {nbytes} bytes exceeds {self._max}")
+            end = off + hsize + nbytes
+            if end > end_of_data:
+                break
+            frames.append(Frame(kind, flags, request_id, bytes(buf[off + hsize:end])))
+            off = end
+        self._buf = bytearray(buf[off:]) if off < end_of_data else bytearray()
+        return frames
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)
