@@ -5,20 +5,28 @@ imports nothing else of the project, so every layer above can raise and catch th
 same errors.
 """
 from csrc.errors import (
-    ConfigError,
     BuildError,
     ChecksumError,
+    ConfigError,
+    DaemonNotRunningError,
     OffloadError,
+    ProtocolError,
+    QuotaExceededError,
+    SessionError,
     SwapIOError,
     TierFullError,
     raise_errno,
 )
 
 __all__ = [
-    "ConfigError",
     "BuildError",
     "ChecksumError",
+    "ConfigError",
+    "DaemonNotRunningError",
     "OffloadError",
+    "ProtocolError",
+    "QuotaExceededError",
+    "SessionError",
     "SwapIOError",
     "TierFullError",
     "raise_errno",
