@@ -2,32 +2,9 @@
 
 Imports go one way: ``csrc <- cpu_adam, swap <- daemon <- offload``. This package
 imports nothing else of the project, so every layer above can raise and catch the
-same errors.
+same errors. The family is listed once, in ``csrc.errors.__all__``.
 """
-from csrc.errors import (
-    BuildError,
-    ChecksumError,
-    ConfigError,
-    DaemonNotRunningError,
-    OffloadError,
-    ProtocolError,
-    QuotaExceededError,
-    SessionError,
-    SwapIOError,
-    TierFullError,
-    raise_errno,
-)
+from csrc import errors
+from csrc.errors import *  # noqa: F401,F403  (the family, as errors.__all__ lists it)
 
-__all__ = [
-    "BuildError",
-    "ChecksumError",
-    "ConfigError",
-    "DaemonNotRunningError",
-    "OffloadError",
-    "ProtocolError",
-    "QuotaExceededError",
-    "SessionError",
-    "SwapIOError",
-    "TierFullError",
-    "raise_errno",
-]
+__all__ = list(errors.__all__)
