@@ -144,9 +144,18 @@ class _Busy:
 
 
 class TierStore:
-    """Named regions over a host pool and a swap space, moved by one engine. Thread safe."""
+    """Named regions over a host pool and a swap space, moved by one engine. Thread safe.
 
-    def __init__(self, config: TierStoreConfig, *, pool: HostPool, space: SwapSpace, engine: IoEngine) -> None:
+    Without a swap space (``space=None``, ``engine=None``) the store is host only: regions are
+    allocated, viewed and freed as usual, ``prefetch`` has nothing to read, ``flush`` has nothing
+    to write, and ``evict`` of a region with a host copy is a ``ConfigError``. The training
+    engine uses this for ``offload_optimizer: cpu``, so it speaks one interface for every tier.
+    """
+
+    def __init__(self, config: TierStoreConfig, *, pool: HostPool, space: SwapSpace | None,
+                 engine: IoEngine | None) -> None:
+        if (space is None) != (engine is None):
+            raise ConfigError("a TierStore needs both a swap space and an engine, or neither (host only)")
         self.config = config
         self.pool = pool
         self.space = space
@@ -159,14 +168,22 @@ class TierStore:
         self._owned: list[HostPool | SwapSpace | IoEngine] = []
         self._closed = False
         # [Note: registered buffers] in swap.engine: pin the pool once for the engine
-        self._buffer_slots = [engine.register_buffer(seg.address, seg.nbytes) for seg in pool.segments]
+        self._buffer_slots = ([engine.register_buffer(seg.address, seg.nbytes) for seg in pool.segments]
+                              if engine is not None else [])
 
     @classmethod
     def create(cls, *, host_capacity_bytes: int, swap_paths: Iterable[str], swap_capacity_bytes: int,
                segment_bytes: int | None = None, engine_config: IoEngineConfig | None = None,
                config: TierStoreConfig | None = None) -> "TierStore":
-        """A store that makes (and on close, closes) its own pool, engine and swap space."""
+        """A store that makes (and on close, closes) its own pool, engine and swap space.
+
+        No ``swap_paths`` makes a host-only store (no engine, no swap space)."""
         paths = tuple(swap_paths)
+        if not paths:
+            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes))
+            store = cls(config or TierStoreConfig(), pool=pool, space=None, engine=None)
+            store._owned = [pool]
+            return store
         engine = open_engine(engine_config or IoEngineConfig(probe_paths=paths))
         parts: list = [engine]
         try:
@@ -311,7 +328,8 @@ class TierStore:
                     self.pool.free(b)
                 raise
             try:
-                self.space.check({p.file_index for r in todo for p in r.placements})
+                if todo:
+                    self.space.check({p.file_index for r in todo for p in r.placements})
             except OffloadError as exc:  # the open descriptor still reads it: nothing is lost
                 logger.warning("%s; reading through the open descriptor", exc)
             ops = []
@@ -329,6 +347,11 @@ class TierStore:
         with self._lock:
             regions = self._settled(names)
             dirty = [r for r in regions if r.tier == Tier.HOST]
+            if self.space is None:
+                if dirty and free_host:
+                    raise ConfigError(f"cannot evict region {dirty[0].name!r}: this store is host only "
+                                      "(no swap space to write it to)")
+                return TransferHandle(kind, [], [r.name for r in regions])
             fresh: list[_Region] = []
             try:
                 for r in dirty:
@@ -423,7 +446,8 @@ class TierStore:
                 self._settle(r)
             handle = self._write_back(list(self._regions), free_host=False, kind="flush")
         self._wait(handle, ("flush",), None)
-        self.space.sync()
+        if self.space is not None:
+            self.space.sync()
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -436,8 +460,8 @@ class TierStore:
                 dirty_bytes=sum(r.nbytes for r in regions if r.dirty and r.tier == Tier.HOST),
                 host_pool_used_bytes=self.pool.used_bytes,
                 host_pool_capacity_bytes=self.pool.capacity_bytes,
-                swap_used_bytes=self.space.used_bytes,
-                swap_capacity_bytes=self.space.capacity_bytes,
+                swap_used_bytes=self.space.used_bytes if self.space is not None else 0,
+                swap_capacity_bytes=self.space.capacity_bytes if self.space is not None else 0,
                 bytes_read_total=self._read.bytes,
                 bytes_written_total=self._write.bytes,
                 read_seconds_total=self._read.seconds,
@@ -445,7 +469,7 @@ class TierStore:
                 read_bandwidth_bytes_per_second=self._read.bytes / self._read.seconds if self._read.seconds else 0.0,
                 write_bandwidth_bytes_per_second=self._write.bytes / self._write.seconds if self._write.seconds else 0.0,
                 errors_total=self._errors,
-                engine=self.engine.name,
+                engine=self.engine.name if self.engine is not None else "none",
             )
 
     def close(self) -> None:

@@ -298,3 +298,22 @@ def test_store_registers_its_pool_with_io_uring_and_lets_go_at_close(tmp_path):
         # closed: the slot is free for the next store
         with _make_store(engine, [tmp_path], host_bytes=4 << 20, swap_bytes=4 << 20) as again:
             assert again._buffer_slots == [0]
+
+
+def test_host_only_store_keeps_regions_in_memory_and_refuses_evict():
+    """With no swap paths the store is host only (offload_optimizer: cpu): the verbs that need no
+    disk work, and an evict is a ConfigError naming the region rather than a crash or a silent drop."""
+    with TierStore.create(host_capacity_bytes=1 << 20, swap_paths=[], swap_capacity_bytes=0) as store:
+        assert store.space is None and store.engine is None
+        store.allocate("m", 8192)
+        payload = os.urandom(8192)
+        store.host_view("m")[:] = payload
+        store.wait_for_prefetch(store.prefetch(["m"]))  # nothing on disk to read
+        store.flush()  # nothing to write
+        with pytest.raises(ConfigError, match="'m'.*host only"):
+            store.evict(["m"])
+        assert bytes(store.host_view("m")) == payload
+        stats = store.stats()
+        assert (stats.host_bytes, stats.nvme_bytes, stats.swap_capacity_bytes, stats.engine) == (8192, 0, 0, "none")
+        store.free("m")
+        assert store.stats().host_pool_used_bytes == 0
