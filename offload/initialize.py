@@ -1,0 +1,210 @@
+"""``initialize()``: the one place that knows the whole engine. It reads the config, joins the
+ranks, lays out the parameters, opens the tier, and wires the parts into an ``Engine``.
+
+Everything that can be wrong with the config is found by ``read_config`` before any of
+this allocates memory or opens a file.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from csrc import ConfigError
+from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
+from offload.engine import Engine, RankInfo
+from offload.precision import LossScaler, LossScalerConfig
+from offload.schedulers import build_scheduler
+from offload.tiers import open_tier, plan_bytes
+from offload.zero.grads import GradReducer
+from offload.zero.layout import FlatLayout
+from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
+from offload.zero.states import StateStorage
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["init_distributed", "initialize"]
+
+# [Note: sub-group cap] A state block is 12 bytes per element and moves as one region, so
+# an offloaded sub-group is capped at 4 Mi elements (48 MiB): NVMe I/O of one block then
+# overlaps the step of another, and every block fits a daemon segment. DeepSpeed's default
+# sub_group_size (1e9) would otherwise make the whole partition one unpipelined block.
+OFFLOAD_SUB_GROUP_CAP = 1 << 22
+
+
+def init_distributed(dist_backend: str | None = None) -> None:
+    """Join the ranks torchrun started (NCCL with GPUs, gloo without); a no-op for one process
+    or when torch.distributed is already initialized."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+
+
+def _ranks() -> RankInfo:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    return RankInfo(rank=rank, world_size=world, local_rank=local, device=device,
+                    group=dist.group.WORLD if dist.is_initialized() else None)
+
+
+def _param_groups(model: torch.nn.Module, model_parameters: Iterable | None) -> list[dict[str, Any]]:
+    """torch-style param groups (dicts with "params") over trainable parameters of ``model``."""
+    items = list(model.parameters() if model_parameters is None else model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in items]
+    else:
+        groups = [{"params": [p for p in items if p.requires_grad]}]
+    owned = {id(p) for p in model.parameters()}
+    for g in groups:
+        for p in g["params"]:
+            if id(p) not in owned:
+                raise ConfigError("model_parameters holds a tensor that is not a parameter of the model")
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ConfigError("the model has no trainable parameters")
+    return groups
+
+
+def _compute_dtype(config: EngineConfig) -> torch.dtype:
+    if config.fp16.enabled:
+        return torch.float16
+    if config.bf16.enabled:
+        return torch.bfloat16
+    return torch.float32
+
+
+def _scaler(config: EngineConfig) -> LossScaler:
+    fp16 = config.fp16
+    if not fp16.enabled:
+        return LossScaler(LossScalerConfig(dynamic=False))
+    return LossScaler(LossScalerConfig(
+        dynamic=fp16.loss_scale == 0, static_scale=fp16.loss_scale or 1.0, initial_scale_power=fp16.initial_scale_power,
+        window_steps=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis, min_scale=fp16.min_loss_scale))
+
+
+def _flatten(model: torch.nn.Module, layout: FlatLayout, params: list[torch.nn.Parameter],
+             dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Move the params into one flat buffer (see [Note: flat layout]); each param becomes a view of it."""
+    flat = torch.zeros(layout.total_numel, dtype=dtype, device=device)
+    with torch.no_grad():
+        for slot, p in zip(layout.slots, params):
+            view = flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            view.copy_(p.detach())
+            p.data = view
+    return flat
+
+
+def _scheduler(lr_scheduler: Any, config: EngineConfig, optimizer: torch.optim.Optimizer) -> Any:
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    if config.scheduler is not None:
+        return build_scheduler(config.scheduler, optimizer)
+    return None
+
+
+def _dataloader(training_data: Any, config: EngineConfig, ranks: RankInfo, collate_fn: Callable | None) -> DataLoader:
+    sampler = DistributedSampler(training_data, num_replicas=ranks.world_size, rank=ranks.rank, shuffle=True)
+    return DataLoader(training_data, batch_size=config.batch.micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn, drop_last=True)
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               config: Any = None, collate_fn: Callable | None = None, config_params: Any = None,
+               dist_init_required: bool | None = None) -> tuple[Engine, OffloadOptimizer, DataLoader | None, Any]:
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    if model is None:
+        raise ConfigError("initialize() needs model=")
+    if optimizer is not None:
+        raise ConfigError("initialize(optimizer=...) is not supported: name the optimizer in the config's "
+                          "\"optimizer\" section (Adam or AdamW)")
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ConfigError("no config: pass config= (a dict or a JSON path), or args with --deepspeed_config")
+    if dist_init_required is not False:
+        init_distributed()
+    ranks = _ranks()
+    cfg = read_config(source, world_size=ranks.world_size)
+    if cfg.optimizer is None:
+        raise ConfigError("the config has no \"optimizer\" section: name Adam or AdamW there")
+    zero = cfg.zero
+    if zero.stage == 3:
+        raise ConfigError("zero_optimization.stage 3 is not supported yet: use stage 0, 1 or 2")
+    if zero.offload_param.device != OffloadDevice.NONE:
+        raise ConfigError("zero_optimization.offload_param needs stage 3, which is not supported yet")
+
+    groups = _param_groups(model, model_parameters)
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in groups for p in g["params"]]
+    masters = [p.detach().to("cpu", torch.float32, copy=True) for p in params]  # before any cast
+    dtype = _compute_dtype(cfg)
+    model.to(device=ranks.device)
+    if dtype != torch.float32:
+        model.to(dtype=dtype)
+    device_kind = zero.offload_optimizer.device
+    offloaded = device_kind != OffloadDevice.NONE
+    sub_group = min(zero.sub_group_size, OFFLOAD_SUB_GROUP_CAP) if offloaded else zero.sub_group_size
+    shard = zero.stage >= 1 and ranks.world_size > 1
+    layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
+                         for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
+                        world_size=ranks.world_size if shard else 1, rank=ranks.rank if shard else 0,
+                        bucket_numel=zero.reduce_bucket_size, sub_group_numel=sub_group)
+    logger.info("rank %d: %s", ranks.rank, layout.describe())
+    flat_params = _flatten(model, layout, params, dtype, ranks.device)
+    flat_grads = torch.zeros_like(flat_params)
+
+    tier = None
+    if offloaded:
+        nvme = device_kind == OffloadDevice.NVME
+        window = zero.offload_optimizer.buffer_count
+        plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=nvme,
+                          nvme_path=zero.offload_optimizer.nvme_path)
+        tier = open_tier(plan, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),
+                         rank=ranks.local_rank, aio=cfg.aio, host_memory_bytes=cfg.offload.host_memory_bytes,
+                         swap_capacity_bytes=cfg.offload.swap_capacity_bytes, checksum=cfg.offload.checksum)
+    try:
+        storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
+                               device=ranks.device, window=zero.offload_optimizer.buffer_count)
+        storage.allocate(lambda sg, master: _fill_master(layout, sg, master, masters))
+        del masters
+        opt = cfg.optimizer
+        defaults = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
+        engine_box: list[Engine] = []
+        facade = OffloadOptimizer([dict(g) for g in groups], defaults, lambda: engine_box[0].step(),
+                                  lambda: engine_box[0].zero_grad())
+        adam = PartitionedAdam(layout, storage, flat_params, optimizer=facade, adamw_mode=opt.adamw_mode,
+                               bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,
+                               gather=shard)
+        reducer = GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
+                              comm_world=ranks.world_size, land=adam.land)
+        scheduler = _scheduler(lr_scheduler, cfg, facade)
+        loader = _dataloader(training_data, cfg, ranks, collate_fn) if training_data is not None else None
+        engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,
+                        adam=adam, tier=tier, optimizer=facade, lr_scheduler=scheduler, scaler=_scaler(cfg),
+                        compute_dtype=dtype, training_dataloader=loader)
+    except BaseException:
+        if tier is not None:
+            tier.close()
+        raise
+    engine_box.append(engine)
+    return engine, facade, loader, scheduler
+
+
+def _fill_master(layout: FlatLayout, sg, master: torch.Tensor, masters: list[torch.Tensor]) -> None:
+    """Copy the fp32 values of the params a sub-group covers into its master block."""
+    for piece in sg.pieces:
+        for slot, param_off, piece_off, n in layout.param_runs(piece):
+            at = piece.sub_start + piece_off
+            master[at:at + n].copy_(masters[slot.index].view(-1)[param_off:param_off + n])

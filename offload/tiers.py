@@ -1,0 +1,111 @@
+"""Open the tier the optimizer state lives in: the embedded ``TierStore`` or the node daemon.
+
+Both speak the same verbs (``allocate``, ``host_view``, ``mark_dirty``, ``prefetch`` /
+``wait_for_prefetch``, ``evict`` / ``wait_for_evict``, ``free``, ``stats``, ``close``), so
+nothing above this module knows which one it has. The daemon is used when the config's
+``offload.daemon_socket`` or ``OFFLOAD_DAEMON_SOCKET`` names one; otherwise the store runs
+inside this process (nothing to start): host only for ``offload_optimizer: cpu``, with a
+swap file under ``nvme_path`` for nvme.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from csrc import ConfigError
+from swap import IoEngineConfig, TierStore, TierStoreConfig, align_up
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Tier", "TierPlan", "open_tier"]
+
+PAGE = 4096
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TierPlan:
+    """What the engine asks of its tier: sizes derived from the layout, and where to put files."""
+
+    nvme: bool
+    """Swap space on NVMe (offload_optimizer nvme) or host only (cpu)."""
+    region_bytes: tuple[int, ...]
+    """Every region the engine allocates, in bytes."""
+    resident_bytes: int
+    """The most host memory the engine's regions hold at once (page-rounded)."""
+    swap_bytes: int
+    """NVMe space for the regions that are evicted (page-rounded); 0 when host only."""
+    nvme_path: str | None = None
+    """Directory for the swap file (nvme)."""
+
+
+@dataclasses.dataclass
+class Tier:
+    """An open tier: the store (TierStore or TierClient), what it is, and what to clean up."""
+
+    store: Any
+    description: str
+    swap_dir: str | None = None
+
+    def close(self, *, keep_session: bool = False) -> None:
+        if keep_session and hasattr(self.store, "detach"):
+            self.store.detach()
+        else:
+            self.store.close()
+        if self.swap_dir is not None:
+            shutil.rmtree(self.swap_dir, ignore_errors=True)
+            self.swap_dir = None
+
+
+def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: int, aio: Any,
+              host_memory_bytes: int | None, swap_capacity_bytes: int | None, checksum: bool) -> Tier:
+    """Open the daemon session or the embedded store for ``plan``."""
+    host_bytes = host_memory_bytes or plan.resident_bytes
+    if host_bytes < plan.resident_bytes:
+        raise ConfigError(f"offload.host_memory_bytes ({host_bytes}) is below the {plan.resident_bytes} bytes "
+                          "the optimizer state needs in host memory at once; raise it or lower sub_group_size")
+    if daemon_socket:
+        from daemon import TierClient, TierClientConfig
+
+        client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank,
+                                             quota_bytes=align_up(host_bytes, PAGE)))
+        return Tier(client, f"daemon {daemon_socket} (job {job_id!r}, rank {rank})")
+    config = TierStoreConfig(checksum="crc32c" if checksum else "none")
+    if not plan.nvme:
+        store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[],
+                                 swap_capacity_bytes=0, config=config)
+        return Tier(store, "embedded TierStore (host memory)")
+    swap_bytes = swap_capacity_bytes or plan.swap_bytes
+    if swap_bytes < plan.swap_bytes:
+        raise ConfigError(f"offload.swap_capacity_bytes ({swap_bytes}) is below the {plan.swap_bytes} bytes "
+                          "of optimizer state to place on NVMe")
+    swap_dir = tempfile.mkdtemp(prefix=f"offload-rank{rank}-", dir=plan.nvme_path)
+    try:
+        engine_config = IoEngineConfig(block_size_bytes=aio.block_size, queue_depth=aio.queue_depth,
+                                       num_threads=aio.intra_op_parallelism, probe_paths=(swap_dir,))
+        store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[swap_dir],
+                                 swap_capacity_bytes=align_up(swap_bytes, PAGE), engine_config=engine_config,
+                                 config=config)
+    except BaseException:
+        shutil.rmtree(swap_dir, ignore_errors=True)
+        raise
+    return Tier(store, f"embedded TierStore ({store.engine.name}, swap in {plan.nvme_path})", swap_dir)
+
+
+def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | None) -> TierPlan:
+    """The plan for sub-groups of ``numels`` elements: an fp32 grad region (always resident) and
+    an fp32 state block of three times that per sub-group; with nvme only ``window`` blocks are held."""
+    grads = [4 * n for n in numels]
+    states = [12 * n for n in numels]
+    resident = sum(align_up(g, PAGE) for g in grads)
+    if nvme:
+        biggest = sorted((align_up(s, PAGE) for s in states), reverse=True)[:window]
+        resident += sum(biggest)
+    else:
+        resident += sum(align_up(s, PAGE) for s in states)
+    swap = sum(align_up(s, PAGE) for s in states) if nvme else 0
+    return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=resident, swap_bytes=swap,
+                    nvme_path=nvme_path)

@@ -1,0 +1,164 @@
+"""Where every parameter element lives: one flat buffer, buckets, rank shards, sub-groups.
+
+[Note: flat layout] The model's trainable parameters become views into one flat buffer
+per engine (the compute dtype, on the model's device), and their gradients views into a
+second. The buffer is cut into buckets of at most ``bucket_numel`` elements; a bucket
+holds the parameters of one param group, taken in reverse registration order (the order
+in which backward produces their gradients), and is padded so that it splits evenly
+into ``world_size`` shards of a multiple of ``ALIGN_ELEMENTS``. Rank r owns shard r of
+every bucket: a bucket's gradients are reduce-scattered straight into the owners, and
+after the step each bucket is all-gathered back from its shards.
+
+A rank's partition is the concatenation of its shards, bucket after bucket. The
+optimizer state (fp32 master, exp_avg, exp_avg_sq) covers the partition and is cut
+into sub-groups of at most ``sub_group_numel`` elements: the unit that is stepped,
+prefetched and evicted. A ``Piece`` is a run of a sub-group that lies in one bucket
+(so in one param group and one contiguous range of the flat buffer).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+from csrc import ConfigError
+
+__all__ = ["ALIGN_ELEMENTS", "Bucket", "FlatLayout", "ParamSlot", "Piece", "SubGroup"]
+
+ALIGN_ELEMENTS = 64  # 256 bytes of fp32: every shard, piece and sub-group starts on a cache-line multiple
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """One trainable parameter: its name, shape and place in the flat buffer."""
+
+    index: int  # position among the model's trainable parameters
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    group: int  # param group index
+    offset: int  # first element in the flat buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A contiguous range of the flat buffer that is reduced and gathered as one."""
+
+    index: int
+    group: int
+    start: int
+    numel: int  # padded: a multiple of world_size * ALIGN_ELEMENTS
+    slots: tuple[int, ...]  # ParamSlot indexes, in buffer order
+    shard_numel: int  # numel // world_size
+
+    def shard_start(self, rank: int) -> int:
+        return self.start + rank * self.shard_numel
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A run of this rank's partition inside one bucket shard."""
+
+    bucket: int
+    group: int
+    flat_start: int  # in the flat buffer
+    part_start: int  # in this rank's partition
+    sub_start: int  # in its sub-group
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SubGroup:
+    """The unit of the optimizer step and of its I/O: a range of this rank's partition."""
+
+    index: int
+    part_start: int
+    numel: int
+    pieces: tuple[Piece, ...]
+
+
+class FlatLayout:
+    """The layout of [Note: flat layout] for one rank."""
+
+    def __init__(self, params: Sequence[tuple[str, tuple[int, ...], int]], *, world_size: int, rank: int,
+                 bucket_numel: int, sub_group_numel: int) -> None:
+        """``params``: (name, shape, group) per trainable parameter, in registration order."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not in a world of {world_size}")
+        if bucket_numel < 1 or sub_group_numel < 1:
+            raise ConfigError(f"bucket and sub-group sizes must be >= 1, got {bucket_numel} and {sub_group_numel}")
+        if not params:
+            raise ConfigError("the model has no trainable parameters")
+        self.world_size = world_size
+        self.rank = rank
+        self.sub_group_numel = max(ALIGN_ELEMENTS, sub_group_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+        unit = world_size * ALIGN_ELEMENTS
+        slots: list[ParamSlot | None] = [None] * len(params)
+        buckets: list[Bucket] = []
+        start = 0
+        groups = sorted({g for _, _, g in params})
+        for group in groups:
+            members = [i for i in reversed(range(len(params))) if params[i][2] == group]
+            run: list[int] = []
+            run_numel = 0
+            for i in members + [None]:  # None closes the last bucket
+                numel = _numel(params[i][1]) if i is not None else 0
+                if run and (i is None or run_numel + numel > bucket_numel):
+                    padded = _round_up(run_numel, unit)
+                    buckets.append(Bucket(len(buckets), group, start, padded, tuple(run), padded // world_size))
+                    start += padded
+                    run, run_numel = [], 0
+                if i is not None:
+                    name, shape, _ = params[i]
+                    slots[i] = ParamSlot(i, name, tuple(shape), numel, group, start + run_numel)
+                    run.append(i)
+                    run_numel += numel
+        self.slots: list[ParamSlot] = [s for s in slots if s is not None]
+        self.buckets = buckets
+        self.total_numel = start
+        self.partition_numel = sum(b.shard_numel for b in buckets)
+        self.sub_groups = self._cut_sub_groups()
+
+    def _cut_sub_groups(self) -> list[SubGroup]:
+        shards = []  # (part_start, bucket) in partition order
+        part = 0
+        for b in self.buckets:
+            shards.append((part, b))
+            part += b.shard_numel
+        out: list[SubGroup] = []
+        for sg_start in range(0, self.partition_numel, self.sub_group_numel):
+            sg_end = min(sg_start + self.sub_group_numel, self.partition_numel)
+            pieces = []
+            for part_start, b in shards:
+                lo, hi = max(sg_start, part_start), min(sg_end, part_start + b.shard_numel)
+                if lo < hi:
+                    flat = b.shard_start(self.rank) + (lo - part_start)
+                    pieces.append(Piece(b.index, b.group, flat, lo, lo - sg_start, hi - lo))
+            out.append(SubGroup(len(out), sg_start, sg_end - sg_start, tuple(pieces)))
+        return out
+
+    def param_runs(self, piece: Piece) -> Iterator[tuple[ParamSlot, int, int, int]]:
+        """The parameter data in a piece (padding skipped): (slot, offset in the flattened
+        param, offset in the piece, length)."""
+        bucket = self.buckets[piece.bucket]
+        lo, hi = piece.flat_start, piece.flat_start + piece.numel
+        for i in bucket.slots:
+            slot = self.slots[i]
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                yield slot, a - slot.offset, a - lo, b - a
+
+    def describe(self) -> str:
+        return (f"{len(self.slots)} params, {self.total_numel} elements in {len(self.buckets)} bucket(s); "
+                f"rank {self.rank}/{self.world_size} owns {self.partition_numel} in "
+                f"{len(self.sub_groups)} sub-group(s) of <= {self.sub_group_numel}")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

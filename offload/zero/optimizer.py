@@ -1,0 +1,200 @@
+"""Adam over this rank's partition, sub-group by sub-group, wherever the state lives.
+
+``PartitionedAdam`` lands reduced gradients in the fp32 accumulators (taking the sum of
+squares as they land), steps every sub-group with one fused pass (the gradient
+multiplier and the low-precision param copy folded in), pipelines NVMe I/O (prefetch
+i+1 while stepping i while evicting i-1, see [Note: state window] in
+``offload.zero.states``), and all-gathers the updated parameters back into the flat
+buffer. ``OffloadOptimizer`` is what ``initialize`` returns as the optimizer: a
+``torch.optim.Optimizer`` whose param groups hold the hyperparameters, so torch's LR
+schedulers drive it; stepping goes through the engine.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from cpu_adam import AdamConfig, adam_step, grad_sumsq
+from csrc import ConfigError
+from offload.zero.layout import Bucket, FlatLayout, Piece, SubGroup
+from offload.zero.states import StateStorage
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadOptimizer", "PartitionedAdam"]
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """The optimizer ``initialize`` returns: hyperparameters per param group; the engine steps."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], defaults: dict[str, Any], engine_step, engine_zero_grad) -> None:
+        super().__init__(param_groups, defaults)
+        self._engine_step = engine_step
+        self._engine_zero_grad = engine_zero_grad
+
+    def step(self, closure=None):  # noqa: D102 - torch's signature
+        if closure is not None:
+            raise ConfigError("the offload optimizer takes no closure: call engine.backward(loss) then engine.step()")
+        self._engine_step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        self._engine_zero_grad()
+
+
+class PartitionedAdam:
+    """Sub-grouped Adam of one rank's partition (see the module docstring)."""
+
+    def __init__(self, layout: FlatLayout, storage: StateStorage, flat_params: torch.Tensor, *,
+                 optimizer: OffloadOptimizer, adamw_mode: bool, bias_correction: bool,
+                 group: dist.ProcessGroup | None, comm_world: int, gather: bool, num_threads: int | None = None) -> None:
+        self.layout = layout
+        self.storage = storage
+        self.flat_params = flat_params
+        self.optimizer = optimizer
+        self.adamw_mode = adamw_mode
+        self.bias_correction = bias_correction
+        self.group = group
+        self.comm_world = comm_world
+        self.gather = gather  # stages 1-2 over several ranks: all-gather the shards after the step
+        self.num_threads = num_threads
+        self.step_count = 0
+        self.sumsq = 0.0
+        self._on_host = storage.tier is not None or storage.device.type == "cpu"
+        if not self._on_host and not bias_correction:
+            raise ConfigError("optimizer.params.bias_correction false is not supported with the optimizer "
+                              "state on a GPU (torch's Adam always corrects): offload it to cpu or nvme")
+        self._staging = None
+        if self._on_host and flat_params.device.type != "cpu":
+            self._staging = torch.empty(layout.partition_numel, dtype=flat_params.dtype,
+                                        pin_memory=torch.cuda.is_available())
+        self._by_bucket: dict[int, list[tuple[int, Piece]]] = {}
+        for sg in layout.sub_groups:
+            for piece in sg.pieces:
+                self._by_bucket.setdefault(piece.bucket, []).append((sg.index, piece))
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def land(self, bucket: Bucket, shard: torch.Tensor, first: bool, final: bool) -> None:
+        """Copy (first micro-step) or add a reduced bucket shard into the accumulators."""
+        base = bucket.shard_start(self.layout.rank)
+        for sg, piece in self._by_bucket.get(bucket.index, ()):
+            src = shard[piece.flat_start - base:piece.flat_start - base + piece.numel]
+            dst = self.storage.grad(sg)[piece.sub_start:piece.sub_start + piece.numel]
+            if first:
+                dst.copy_(src)
+            else:
+                dst.add_(src)
+            if final:
+                self.sumsq += _sumsq(dst, self.num_threads)
+
+    def global_sumsq(self) -> float:
+        """The sum of squares of the whole (summed, scaled) gradient, over all ranks; resets the tally."""
+        total, self.sumsq = self.sumsq, 0.0
+        if self.gather and self.comm_world > 1:
+            t = torch.tensor([total], dtype=torch.float64)
+            if self.flat_params.device.type == "cuda":
+                t = t.cuda()
+            dist.all_reduce(t, group=self.group)
+            total = float(t.item())
+        return total
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def prefetch_states(self) -> None:
+        """Start bringing the first sub-groups' states in (called as backward begins)."""
+        self.storage.prefetch(range(len(self.layout.sub_groups)))
+
+    def step(self, grad_multiplier: float) -> None:
+        """One Adam step of every sub-group, then the updated params back into the flat buffer."""
+        order = range(len(self.layout.sub_groups))
+        self.storage.prefetch(order)
+        for i in order:
+            state = self.storage.acquire(i)
+            self.storage.prefetch(order[i + 1:])
+            self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier)
+            self.storage.release(i, dirty=True)
+        self.step_count += 1
+        if self._staging is not None:
+            self._copy_staging_to_device()
+        if self.gather:
+            self._all_gather()
+
+    def _hyper(self, group: int) -> AdamConfig:
+        g = self.optimizer.param_groups[group]
+        beta1, beta2 = g["betas"]
+        return AdamConfig(lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
+                          adamw_mode=self.adamw_mode, bias_correction=self.bias_correction,
+                          num_threads=self.num_threads)
+
+    def _out(self, piece: Piece) -> torch.Tensor:
+        if self._staging is not None:  # a GPU model: the copy lands on the host, then goes over at once
+            return self._staging[piece.part_start:piece.part_start + piece.numel]
+        return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
+
+    def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float) -> None:
+        n = sg.numel
+        master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
+        grad = self.storage.grad(sg.index)
+        for group in sorted({p.group for p in sg.pieces}):
+            pieces = [p for p in sg.pieces if p.group == group]
+            cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
+            masters = [master[a:b] for a, b in cut]
+            grads = [grad[a:b] for a, b in cut]
+            ms = [exp_avg[a:b] for a, b in cut]
+            vs = [exp_avg_sq[a:b] for a, b in cut]
+            outs = [self._out(p) for p in pieces]
+            hyper = self._hyper(group)
+            if self._on_host:
+                steps = [torch.full((1,), float(self.step_count)) for _ in pieces]
+                adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
+            else:
+                _torch_adam(masters, grads, ms, vs, outs, hyper, mult, self.step_count)
+
+    def _copy_staging_to_device(self) -> None:
+        for sg in self.layout.sub_groups:
+            for p in sg.pieces:
+                self.flat_params[p.flat_start:p.flat_start + p.numel].copy_(
+                    self._staging[p.part_start:p.part_start + p.numel], non_blocking=True)
+
+    def _all_gather(self) -> None:
+        works = []
+        for b in self.layout.buckets:
+            full = self.flat_params[b.start:b.start + b.numel]
+            mine = full[self.layout.rank * b.shard_numel:(self.layout.rank + 1) * b.shard_numel]
+            works.append(dist.all_gather_into_tensor(full, mine.clone(), group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    # -- state access (checkpoints) ------------------------------------------------------------
+
+    def iter_states(self, *, write: bool = False) -> Iterator[tuple[SubGroup, torch.Tensor]]:
+        """Each sub-group's state block in turn, resident only while the caller holds it."""
+        order = range(len(self.layout.sub_groups))
+        for i in order:
+            state = self.storage.acquire(i)
+            self.storage.prefetch(order[i + 1:i + 2])
+            try:
+                yield self.layout.sub_groups[i], state
+            finally:
+                self.storage.release(i, dirty=write)
+        self.storage.drain()
+
+
+def _sumsq(t: torch.Tensor, num_threads: int | None) -> float:
+    if t.is_cpu:
+        return grad_sumsq([t], num_threads=num_threads)
+    return float(torch.sum(t.double() ** 2).item())
+
+
+def _torch_adam(masters, grads, ms, vs, outs, hyper: AdamConfig, mult: float, step_count: int) -> None:
+    """The optimizer state on a GPU (offload none): torch's fused Adam, then the param copy."""
+    device = masters[0].device
+    steps = [torch.full((1,), float(step_count), device=device) for _ in masters]
+    torch._foreach_mul_(grads, mult)
+    torch.optim.adam.adam(masters, grads, ms, vs, [], steps, fused=True, amsgrad=False, beta1=hyper.beta1,
+                          beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps,
+                          maximize=False, decoupled_weight_decay=hyper.adamw_mode)
+    torch._foreach_copy_(outs, masters)

@@ -1,0 +1,217 @@
+"""The optimizer state of this rank's partition, per sub-group, wherever it lives.
+
+Each sub-group has two buffers of fp32:
+- its state block, ``[master | exp_avg | exp_avg_sq]`` (3 x numel): the unit of NVMe I/O;
+- its gradient accumulator (numel): always resident, written as buckets land.
+
+With ``offload_optimizer`` none they are torch tensors on the model's device. With cpu or
+nvme they are regions of the tier (the embedded ``TierStore`` or the daemon's
+``TierClient``: the same verbs), seen through ``host_view`` with no copy. With nvme the
+state blocks go back to NVMe after each step and are prefetched for the next one, at
+most ``window`` of them in host memory at once ([Note: state window]).
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import time
+from typing import Any, Callable, Iterable
+
+import torch
+
+from csrc import ConfigError
+from offload.zero.layout import FlatLayout, SubGroup
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Placement", "StateStorage"]
+
+F32 = 4  # bytes per element
+
+
+class Placement(enum.Enum):
+    """Where a sub-group's state block is, and who owns its memory."""
+
+    DEVICE = "device"  # a torch tensor on the model's device, owned by this object (offload none)
+    HOST = "host"  # a host region of the tier, resident for good (offload cpu)
+    NVME = "nvme"  # on NVMe: the tier owns the extents; no host memory is held
+    IN_FLIGHT = "in_flight"  # a prefetch or evict owns the host copy until it is waited for
+    RESIDENT = "resident"  # prefetched and waited for: the host copy is ours to read and write
+
+
+class StateStorage:
+    """Sub-group state blocks and gradient accumulators over a tier (or device tensors)."""
+
+    def __init__(self, layout: FlatLayout, *, tier: Any | None, nvme: bool, device: torch.device,
+                 window: int, prefix: str = "") -> None:
+        if nvme and tier is None:
+            raise ConfigError("NVMe offload needs a tier")
+        self.layout = layout
+        self.tier = tier
+        self.nvme = nvme
+        self.device = device
+        self.window = max(2, window)
+        self._prefix = prefix
+        self._tensors: dict[str, torch.Tensor] = {}  # device tensors (none), or cached host views (cpu)
+        self._placement = [Placement.DEVICE if tier is None else Placement.HOST for _ in layout.sub_groups]
+        self._handles: dict[int, Any] = {}  # sub-group -> pending prefetch or evict handle
+        self._evicting: collections.deque[int] = collections.deque()
+        self.io_wait_seconds = 0.0
+
+    # -- names and views ------------------------------------------------------------------
+
+    def _state_name(self, sg: int) -> str:
+        return f"{self._prefix}state.{sg}"
+
+    def _grad_name(self, sg: int) -> str:
+        return f"{self._prefix}grad.{sg}"
+
+    def _view(self, name: str, numel: int, cache: bool) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            t = torch.frombuffer(self.tier.host_view(name), dtype=torch.float32, count=numel)
+            if cache:
+                self._tensors[name] = t
+        return t
+
+    def allocate(self, fill_master: Callable[[SubGroup, torch.Tensor], None]) -> None:
+        """Make every sub-group's buffers: master from ``fill_master``, moments zero, grads zero.
+        With nvme each state block is written to NVMe as soon as it is filled."""
+        for sg in self.layout.sub_groups:
+            n = sg.numel
+            if self.tier is None:
+                self._tensors[self._state_name(sg.index)] = torch.zeros(3 * n, dtype=torch.float32, device=self.device)
+                self._tensors[self._grad_name(sg.index)] = torch.zeros(n, dtype=torch.float32, device=self.device)
+            else:
+                self.tier.allocate(self._grad_name(sg.index), n * F32)
+                self._view(self._grad_name(sg.index), n, cache=True).zero_()
+                self._make_room()
+                self.tier.allocate(self._state_name(sg.index), 3 * n * F32)
+                self._placement[sg.index] = Placement.RESIDENT if self.nvme else Placement.HOST
+                self.state(sg.index).zero_()
+            fill_master(sg, self.state(sg.index)[:n])
+            if self.nvme:
+                self.release(sg.index, dirty=True)
+        self.drain()
+
+    def grad(self, sg: int) -> torch.Tensor:
+        """The fp32 gradient accumulator of a sub-group (always resident)."""
+        name = self._grad_name(sg)
+        t = self._tensors.get(name)
+        return t if t is not None else self._view(name, self.layout.sub_groups[sg].numel, cache=True)
+
+    def state(self, sg: int) -> torch.Tensor:
+        """The state block ``[master | exp_avg | exp_avg_sq]``; it must be resident (see ``acquire``)."""
+        name = self._state_name(sg)
+        where = self._placement[sg]
+        if where == Placement.DEVICE:
+            return self._tensors[name]
+        if where == Placement.HOST:
+            return self._view(name, 3 * self.layout.sub_groups[sg].numel, cache=True)
+        if where != Placement.RESIDENT:
+            raise ConfigError(f"sub-group {sg}'s state is {where.value}: acquire it first")
+        return self._view(name, 3 * self.layout.sub_groups[sg].numel, cache=False)
+
+    # -- [Note: state window] -------------------------------------------------------------
+    # With nvme, at most `window` state blocks hold host memory at once: those being
+    # prefetched, resident, or being evicted. A prefetch that would exceed it first waits
+    # for the oldest evict; if nothing is being evicted it is not started (the step's
+    # acquire starts it later). The host pool is sized for the window, so a prefetch never
+    # finds the pool full.
+
+    def _held(self) -> int:
+        return sum(1 for p in self._placement if p in (Placement.IN_FLIGHT, Placement.RESIDENT))
+
+    def _make_room(self) -> bool:
+        while self._held() >= self.window:
+            if not self._evicting:
+                return False
+            self._finish_evict(self._evicting.popleft())
+        return True
+
+    def _finish_evict(self, sg: int) -> None:
+        t0 = time.perf_counter()
+        self.tier.wait_for_evict(self._handles.pop(sg))
+        self.io_wait_seconds += time.perf_counter() - t0
+        self._placement[sg] = Placement.NVME
+
+    def prefetch(self, sgs: Iterable[int]) -> None:
+        """Start bringing state blocks to host memory, in order, while the window has room."""
+        if not self.nvme:
+            return
+        for sg in sgs:
+            if self._placement[sg] == Placement.IN_FLIGHT and sg in self._evicting:
+                self._evicting.remove(sg)
+                self._finish_evict(sg)
+            if self._placement[sg] != Placement.NVME:
+                continue
+            if not self._make_room():
+                return
+            self._handles[sg] = self.tier.prefetch([self._state_name(sg)])
+            self._placement[sg] = Placement.IN_FLIGHT
+
+    def acquire(self, sg: int) -> torch.Tensor:
+        """The state block of ``sg``, waiting for (or starting) its prefetch."""
+        if self.nvme:
+            if self._placement[sg] != Placement.RESIDENT:
+                self.prefetch([sg])
+                if self._placement[sg] == Placement.NVME:  # the window is full of resident blocks
+                    raise ConfigError(f"no room to bring sub-group {sg} in: {self.window} blocks are held")
+                t0 = time.perf_counter()
+                self.tier.wait_for_prefetch(self._handles.pop(sg))
+                self.io_wait_seconds += time.perf_counter() - t0
+                self._placement[sg] = Placement.RESIDENT
+        return self.state(sg)
+
+    def release(self, sg: int, *, dirty: bool) -> None:
+        """Done with a state block: with nvme, write it back if ``dirty`` and free its host copy (async)."""
+        if not self.nvme or self._placement[sg] != Placement.RESIDENT:
+            return
+        name = self._state_name(sg)
+        if dirty:
+            self.tier.mark_dirty(name)
+        self._handles[sg] = self.tier.evict([name])
+        self._placement[sg] = Placement.IN_FLIGHT
+        self._evicting.append(sg)
+
+    def drain(self) -> None:
+        """Wait for every evict in flight."""
+        while self._evicting:
+            self._finish_evict(self._evicting.popleft())
+
+    def cancel_prefetches(self) -> None:
+        """Give back state blocks brought in for a step that will not run (an fp16 overflow)."""
+        for sg, where in enumerate(self._placement):
+            if where == Placement.IN_FLIGHT and sg not in self._evicting:
+                self.acquire(sg)
+            if self._placement[sg] == Placement.RESIDENT:
+                self.release(sg, dirty=False)
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        """Bytes of state blocks per tier now (grads not counted)."""
+        out = {"device": 0, "host": 0, "nvme": 0}
+        for sg, where in zip(self.layout.sub_groups, self._placement):
+            key = {Placement.DEVICE: "device", Placement.NVME: "nvme"}.get(where, "host")
+            out[key] += 3 * sg.numel * F32
+        return out
+
+    def close(self) -> None:
+        """Free every region (the tier's memory and swap extents go back)."""
+        if self.tier is None:
+            self._tensors.clear()
+            return
+        for sg in list(self._handles):
+            handle = self._handles.pop(sg)
+            try:
+                (self.tier.wait_for_evict if sg in self._evicting else self.tier.wait_for_prefetch)(handle)
+            except Exception as exc:  # closing anyway: say what was lost
+                logger.warning("on close, sub-group %d: %s", sg, exc)
+        self._evicting.clear()
+        self._tensors.clear()
+        for sg in self.layout.sub_groups:
+            for name in (self._state_name(sg.index), self._grad_name(sg.index)):
+                try:
+                    self.tier.free(name)
+                except ConfigError:
+                    pass  # never allocated (a failed start)
