@@ -89,6 +89,14 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _consolidate(args: argparse.Namespace) -> int:
+    from offload.checkpoint import consolidate
+
+    state = consolidate(args.checkpoint, args.out)
+    print(f"wrote {args.out}: {len(state)} entries, {sum(t.numel() for t in state.values())} elements (fp32 weights)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description="Memory-tiered offload engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="the raw STATUS reply")
     s.add_argument("--timeout-seconds", type=float, default=10.0)
     s.set_defaults(fn=_status)
+
+    c = sub.add_parser("consolidate", help="a checkpoint's fp32 weights as a plain state_dict file")
+    c.add_argument("checkpoint", help="the checkpoint directory (save_dir/tag)")
+    c.add_argument("out", help="the .pt file to write (torch.save of a state_dict)")
+    c.set_defaults(fn=_consolidate)
     return parser
 
 

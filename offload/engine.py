@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from csrc import ConfigError
 from offload.precision import LossScaler, clip_coefficient
 from offload.tiers import Tier
 from offload.zero.grads import GradReducer
@@ -89,6 +90,7 @@ class Engine:
         self.skipped_steps = 0
         self.step_seconds = 0.0
         self.last_grad_norm: float | None = None
+        self._multiplier: float | None = None  # set by step() for the optimizer's step() to apply
         self._closed = False
 
     # -- DeepSpeed's accessors -----------------------------------------------------------
@@ -198,7 +200,8 @@ class Engine:
         else:
             norm = math.sqrt(sumsq) / denom
             self.last_grad_norm = norm
-            self.adam.step(clip_coefficient(norm, self.config.gradient_clipping) / denom)
+            self._multiplier = clip_coefficient(norm, self.config.gradient_clipping) / denom
+            self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.scaler.update(overflow)
@@ -210,6 +213,13 @@ class Engine:
             logger.info("rank %d step %d: lr %s, grad norm %.4g, loss scale %g, step %.3f s total, I/O wait %.3f s",
                         self.global_rank, self.global_steps, self.get_lr(), self.last_grad_norm, self.scaler.scale,
                         self.step_seconds, self.adam.storage.io_wait_seconds)
+
+    def apply_update(self) -> None:
+        """The optimizer's step (called by ``optimizer.step()`` from ``step()``, never by a script)."""
+        if self._multiplier is None:
+            raise ConfigError("optimizer.step() is driven by the engine: call engine.backward(loss); engine.step()")
+        multiplier, self._multiplier = self._multiplier, None
+        self.adam.step(multiplier)
 
     def zero_grad(self) -> None:
         self.reducer.zero()

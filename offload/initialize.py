@@ -182,7 +182,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         opt = cfg.optimizer
         defaults = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
         engine_box: list[Engine] = []
-        facade = OffloadOptimizer([dict(g) for g in groups], defaults, lambda: engine_box[0].step(),
+        facade = OffloadOptimizer([dict(g) for g in groups], defaults, lambda: engine_box[0].apply_update(),
                                   lambda: engine_box[0].zero_grad())
         adam = PartitionedAdam(layout, storage, flat_params, optimizer=facade, adamw_mode=opt.adamw_mode,
                                bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,

@@ -94,6 +94,8 @@ class FlatLayout:
             raise ConfigError("the model has no trainable parameters")
         self.world_size = world_size
         self.rank = rank
+        self.bucket_numel = bucket_numel
+        self.params = [(name, tuple(shape), group) for name, shape, group in params]
         self.sub_group_numel = max(ALIGN_ELEMENTS, sub_group_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
         unit = world_size * ALIGN_ELEMENTS
         slots: list[ParamSlot | None] = [None] * len(params)
@@ -150,6 +152,11 @@ class FlatLayout:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:
                 yield slot, a - slot.offset, a - lo, b - a
+
+    def for_rank(self, rank: int) -> "FlatLayout":
+        """The same layout as another rank sees it (its partition and sub-groups)."""
+        return FlatLayout(self.params, world_size=self.world_size, rank=rank, bucket_numel=self.bucket_numel,
+                          sub_group_numel=self.sub_group_numel)
 
     def describe(self) -> str:
         return (f"{len(self.slots)} params, {self.total_numel} elements in {len(self.buckets)} bucket(s); "

@@ -28,20 +28,24 @@ __all__ = ["OffloadOptimizer", "PartitionedAdam"]
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
-    """The optimizer ``initialize`` returns: hyperparameters per param group; the engine steps."""
+    """The optimizer ``initialize`` returns: hyperparameters per param group, read at every step.
 
-    def __init__(self, param_groups: list[dict[str, Any]], defaults: dict[str, Any], engine_step, engine_zero_grad) -> None:
+    ``engine.step()`` computes the gradient multiplier and calls ``step()`` here, which applies
+    the update through the engine (so torch's LR schedulers see a real optimizer step). Called
+    any other way, ``step()`` is an error that says to use the engine."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], defaults: dict[str, Any], apply, zero_grad) -> None:
         super().__init__(param_groups, defaults)
-        self._engine_step = engine_step
-        self._engine_zero_grad = engine_zero_grad
+        self._apply = apply
+        self._zero_grad = zero_grad
 
     def step(self, closure=None):  # noqa: D102 - torch's signature
         if closure is not None:
             raise ConfigError("the offload optimizer takes no closure: call engine.backward(loss) then engine.step()")
-        self._engine_step()
+        self._apply()
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
-        self._engine_zero_grad()
+        self._zero_grad()
 
 
 class PartitionedAdam:

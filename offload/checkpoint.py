@@ -1,0 +1,361 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): save, load (onto any world size), consolidate.
+
+What a checkpoint holds, one DCP entry each:
+- ``module.<key>``: the module's state dict as it is (compute dtype; buffers and frozen params too);
+- ``optim.<param>.<kind>`` for kind in master / exp_avg / exp_avg_sq: the fp32 optimizer state of
+  each trainable parameter as a 1-D tensor of its numel. With partitioned state (stages 1-2 over
+  several ranks) each rank contributes its runs as shards of a ``ShardedTensor``; DCP then
+  loads them onto any other partitioning, a different world size included;
+- ``engine``: counters, loss scale, LR scheduler, hyperparameters, the layout's names and shapes
+  (pickled, the same on every rank); ``client_state``; ``rng.rank<r>``: each rank's RNG states.
+
+[Note: streaming state] The optimizer state is never gathered. Each optimizer entry is a
+placeholder in the state dict (uninitialised memory that is never touched); the planners
+resolve a write item, or commit a read item, by bringing in only the sub-groups it covers
+(``_Resident``, at most a few at a time, written back if changed) and copying that run.
+DCP's file writer is run with one file per item, so it holds one item at a time.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import sys
+import warnings
+from collections import OrderedDict
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from csrc import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # their places in a sub-group's state block
+LATEST = "latest"
+PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for saves and loads at least this large
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Elements [param_offset, param_offset + numel) of a param live at sg_offset in sub-group sg."""
+
+    sg: int
+    sg_offset: int
+    param_offset: int
+    numel: int
+
+
+def _runs(layout) -> "OrderedDict[int, list[_Run]]":
+    """Each trainable param's runs on this rank, params in order of first appearance by sub-group."""
+    out: OrderedDict[int, list[_Run]] = OrderedDict()
+    for sg in layout.sub_groups:
+        for piece in sg.pieces:
+            for slot, param_off, piece_off, n in layout.param_runs(piece):
+                out.setdefault(slot.index, []).append(_Run(sg.index, piece.sub_start + piece_off, param_off, n))
+    return out
+
+
+class _Resident:
+    """Sub-group state blocks held in host memory while a save or load walks them (LRU)."""
+
+    def __init__(self, storage, *, write: bool) -> None:
+        self.storage = storage
+        self.write = write
+        self.capacity = max(1, storage.window - 1)
+        self._held: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def get(self, sg: int) -> torch.Tensor:
+        state = self._held.get(sg)
+        if state is not None:
+            self._held.move_to_end(sg)
+            return state
+        while len(self._held) >= self.capacity:
+            old, _ = self._held.popitem(last=False)
+            self.storage.release(old, dirty=self.write)
+        state = self._held[sg] = self.storage.acquire(sg)
+        return state
+
+    def close(self) -> None:
+        for sg in list(self._held):
+            self.storage.release(sg, dirty=self.write)
+        self._held.clear()
+        self.storage.drain()
+
+
+class _Lazy:
+    """The optimizer entries of one engine: their runs, and copies between runs and flat tensors."""
+
+    def __init__(self, engine) -> None:
+        self.layout = engine.layout
+        self.storage = engine.adam.storage
+        self.sharded = engine.adam.gather  # partitioned over several ranks
+        self.entries: dict[str, tuple[int, list[_Run], int]] = {}  # key -> (kind, runs, slot index)
+        for index, runs in _runs(self.layout).items():
+            name = self.layout.slots[index].name
+            for k in range(len(KINDS)):
+                self.entries[f"optim.{name}.{KINDS[k]}"] = (k, runs, index)
+        self.total_bytes = sum(4 * r.numel for _, runs, _ in self.entries.values() for r in runs)
+
+    def placeholders(self) -> dict[str, Any]:
+        """The optimizer entries of the state dict: plain tensors, or ShardedTensors whose global
+        metadata is computed here from every rank's layout (no collective is needed)."""
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
+
+        out: dict[str, Any] = {}
+        if not self.sharded:
+            for key, (_, _, index) in self.entries.items():
+                out[key] = torch.empty(self.layout.slots[index].numel)  # never touched: virtual memory only
+            return out
+        rank = self.layout.rank
+        every: dict[int, list[ShardMetadata]] = {}
+        for r in range(self.layout.world_size):
+            for index, runs in _runs(self.layout.for_rank(r)).items():
+                every.setdefault(index, []).extend(
+                    ShardMetadata(shard_offsets=[run.param_offset], shard_sizes=[run.numel], placement=f"rank:{r}/cpu")
+                    for run in runs)
+        for key, (_, runs, index) in self.entries.items():
+            shards = [Shard(torch.empty(r.numel), ShardMetadata(shard_offsets=[r.param_offset], shard_sizes=[r.numel],
+                                                                placement=f"rank:{rank}/cpu")) for r in runs]
+            meta = ShardedTensorMetadata(shards_metadata=every[index], size=torch.Size([self.layout.slots[index].numel]))
+            out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+        return out
+
+    def overlaps(self, key: str, start: int, length: int) -> Iterator[tuple[_Run, int, int, int]]:
+        """(run, offset in run, offset in [start, start+length), n) for each run overlapping the range."""
+        for run in self.entries[key][1]:
+            a, b = max(start, run.param_offset), min(start + length, run.param_offset + run.numel)
+            if a < b:
+                yield run, a - run.param_offset, a - start, b - a
+
+    def block(self, state: torch.Tensor, sg: int, kind: int) -> torch.Tensor:
+        n = self.layout.sub_groups[sg].numel
+        return state[kind * n:(kind + 1) * n]
+
+
+def _progress(total_bytes: int, what: str):
+    """A rich progress bar for long transfers on a terminal, else None."""
+    if total_bytes < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        return None
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    progress = Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), transient=True)
+    progress.start()
+    progress.add_task(what, total=total_bytes)
+    return progress
+
+
+class _SavePlanner(dcp.DefaultSavePlanner):
+    def __init__(self, lazy: _Lazy, resident: _Resident, progress) -> None:
+        super().__init__()
+        self.lazy, self.resident, self.progress = lazy, resident, progress
+
+    def resolve_data(self, write_item):
+        key = write_item.index.fqn
+        if key not in self.lazy.entries:
+            return super().resolve_data(write_item)
+        kind = self.lazy.entries[key][0]
+        start, length = write_item.tensor_data.chunk.offsets[0], write_item.tensor_data.chunk.sizes[0]
+        out = torch.empty(length, dtype=torch.float32)
+        for run, run_off, out_off, n in self.lazy.overlaps(key, start, length):
+            src = self.lazy.block(self.resident.get(run.sg), run.sg, kind)
+            out[out_off:out_off + n].copy_(src[run.sg_offset + run_off:run.sg_offset + run_off + n])
+        if self.progress is not None:
+            self.progress.advance(0, 4 * length)
+        return out
+
+
+class _LoadPlanner(dcp.DefaultLoadPlanner):
+    def __init__(self, lazy: _Lazy, resident: _Resident, progress) -> None:
+        super().__init__()
+        self.lazy, self.resident, self.progress = lazy, resident, progress
+
+    def resolve_tensor(self, read_item):
+        if read_item.dest_index.fqn not in self.lazy.entries:
+            return super().resolve_tensor(read_item)
+        return torch.empty(list(read_item.lengths), dtype=torch.float32)
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        key = read_item.dest_index.fqn
+        if key not in self.lazy.entries:
+            return super().commit_tensor(read_item, tensor)
+        kind = self.lazy.entries[key][0]
+        base = read_item.dest_index.offset[0] if read_item.dest_index.offset is not None else 0
+        start, length = base + read_item.dest_offsets[0], read_item.lengths[0]
+        for run, run_off, in_off, n in self.lazy.overlaps(key, start, length):
+            dst = self.lazy.block(self.resident.get(run.sg), run.sg, kind)
+            dst[run.sg_offset + run_off:run.sg_offset + run_off + n].copy_(tensor[in_off:in_off + n])
+        if self.progress is not None:
+            self.progress.advance(0, 4 * length)
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process whenever torch.distributed is not initialized: that is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _engine_meta(engine) -> dict[str, Any]:
+    sched = engine.lr_scheduler
+    return {
+        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
+        "optimizer_steps": engine.adam.step_count, "loss_scaler": engine.scaler.state_dict(),
+        "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+        "params": [(s.name, s.shape) for s in engine.layout.slots],
+        "module_keys": list(engine.module.state_dict().keys()),
+        "world_size": engine.world_size, "stage": engine.config.zero.stage, "dtype": str(engine.compute_dtype),
+    }
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _bytes(value: Any) -> bytes:
+    return pickle.dumps(value)
+
+
+def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dict, save_latest: bool) -> str:
+    """Save to ``save_dir/tag`` (tag defaults to ``global_step<N>``); every rank calls it. Returns the path."""
+    tag = tag or f"global_step{engine.global_steps}"
+    path = os.path.join(save_dir, str(tag))
+    lazy = _Lazy(engine)
+    state: dict[str, Any] = {f"module.{k}": v for k, v in engine.module.state_dict().items()}
+    state.update(lazy.placeholders())
+    state["engine"] = _bytes(_engine_meta(engine))
+    state["client_state"] = _bytes(client_state)
+    state[f"rng.rank{engine.global_rank}"] = _bytes(_rng_state())
+    resident = _Resident(lazy.storage, write=False)
+    progress = _progress(lazy.total_bytes, f"saving {path}")
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=1),
+                     planner=_SavePlanner(lazy, resident, progress), no_dist=not dist.is_initialized())
+    finally:
+        resident.close()
+        if progress is not None:
+            progress.stop()
+    if save_latest and engine.global_rank == 0:
+        with open(os.path.join(save_dir, LATEST), "w") as f:
+            f.write(str(tag))
+    if dist.is_initialized():
+        dist.barrier()
+    logger.info("rank %d saved %s", engine.global_rank, path)
+    return path
+
+
+def _resolve_path(load_dir: str, tag: str | None) -> str | None:
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.exists(latest):
+            return None
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, str(tag))
+    return path if os.path.isdir(path) else None
+
+
+def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_states: bool,
+                    load_lr_scheduler_states: bool) -> tuple[str | None, dict]:
+    """Load what ``save_checkpoint`` saved, onto this engine's ranks and layout. Returns (path, client_state);
+    (None, {}) when there is no checkpoint there."""
+    path = _resolve_path(load_dir, tag)
+    if path is None:
+        logger.warning("no checkpoint in %s (tag %s): nothing loaded", load_dir, tag or "from 'latest'")
+        return None, {}
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    lazy = _Lazy(engine)
+    state: dict[str, Any] = {f"module.{k}": v for k, v in engine.module.state_dict().items()}
+    missing = [k for k in lazy.entries if k not in metadata.state_dict_metadata]
+    if load_optimizer_states and missing:
+        raise ConfigError(f"checkpoint {path} has no optimizer state for {missing[0]!r} "
+                          f"({len(missing)} entries missing): it was saved from another model")
+    if load_optimizer_states:
+        state.update(lazy.placeholders())
+    state["engine"] = b""
+    state["client_state"] = b""
+    rng_key = f"rng.rank{engine.global_rank}"
+    if rng_key in metadata.state_dict_metadata:
+        state[rng_key] = b""
+    resident = _Resident(lazy.storage, write=True)
+    progress = _progress(lazy.total_bytes if load_optimizer_states else 0, f"loading {path}")
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(lazy, resident, progress),
+                     no_dist=not dist.is_initialized())
+    finally:
+        resident.close()
+        if progress is not None:
+            progress.stop()
+    _restore(engine, pickle.loads(state["engine"]), load_optimizer_states, load_lr_scheduler_states)
+    if rng_key in state:
+        rng = pickle.loads(state[rng_key])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    engine.zero_grad()
+    logger.info("rank %d loaded %s", engine.global_rank, path)
+    return path, pickle.loads(state["client_state"])
+
+
+def _restore(engine, meta: dict[str, Any], optimizer_states: bool, scheduler_states: bool) -> None:
+    engine.global_steps = meta["global_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    engine.global_samples = meta["global_samples"]
+    engine.skipped_steps = meta["skipped_steps"]
+    if optimizer_states:
+        engine.adam.step_count = meta["optimizer_steps"]
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
+            group.update(saved)
+    if scheduler_states and meta["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+
+
+def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:
+    """Write the fp32 weights of a checkpoint as a plain state dict that ``model.load_state_dict`` accepts.
+
+    Trainable params come from the fp32 masters; buffers and frozen params from the module entries.
+    Runs in one process, whatever world size saved it."""
+    reader = dcp.FileSystemReader(checkpoint)
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise ConfigError(f"{checkpoint} is not a checkpoint (no DCP metadata there)") from None
+    holder = {"engine": b""}
+    with _quiet_single_process():
+        dcp.load(holder, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
+    meta = pickle.loads(holder["engine"])
+    shapes = dict(meta["params"])
+    state: dict[str, Any] = {}
+    for key in meta["module_keys"]:
+        if key in shapes:
+            numel = 1
+            for d in shapes[key]:
+                numel *= d
+            state[f"optim.{key}.master"] = torch.empty(numel, dtype=torch.float32)
+        else:
+            md = metadata.state_dict_metadata[f"module.{key}"]
+            state[f"module.{key}"] = torch.empty(md.size, dtype=md.properties.dtype)
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    out = {}
+    for key in meta["module_keys"]:
+        out[key] = state[f"optim.{key}.master"].view(shapes[key]) if key in shapes else state[f"module.{key}"]
+    torch.save(out, out_path)
+    return out

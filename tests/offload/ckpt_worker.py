@@ -1,0 +1,67 @@
+"""A training process for the checkpoint tests (run as a script, alone or under torchrun; not collected).
+
+usage: ckpt_worker.py MODE DEVICE WORKDIR STEPS_FROM STEPS_TO
+  MODE "run": train steps [from, to) from a fresh engine (saving at `to` if SAVE is set),
+  MODE "resume": load WORKDIR/ckpt first, then train [from, to).
+Writes WORKDIR/<mode>-rank<r>.pt: the losses and the final params.
+"""
+import os
+import sys
+
+import torch
+
+from offload.initialize import initialize
+
+GLOBAL_BATCH = 8
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.LayerNorm(48), torch.nn.GELU(),
+                               torch.nn.Dropout(float(os.environ.get("DROPOUT", "0.1"))), torch.nn.Linear(48, 4))
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)) for _ in range(n)]
+
+
+def config(device: str, workdir: str, stage: int) -> dict:
+    offload = {"device": device}
+    if device == "nvme":
+        offload["nvme_path"] = workdir
+    return {"train_batch_size": GLOBAL_BATCH, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3,
+                                                              "total_num_steps": 60}},
+            "zero_optimization": {"stage": stage, "offload_optimizer": offload, "sub_group_size": 256,
+                                  "reduce_bucket_size": 500}}
+
+
+def main() -> None:
+    mode, device, workdir, start, stop = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    stage = int(os.environ.get("STAGE", "2"))
+    net = model()
+    engine, _, _, _ = initialize(model=net, config=config(device, workdir, stage))
+    rank, world = engine.global_rank, engine.world_size
+    if mode == "resume":
+        _, client = engine.load_checkpoint(os.path.join(workdir, "ckpt"))
+        assert client["next_step"] == start, client
+    per_rank = GLOBAL_BATCH // world
+    losses = []
+    for x, y in batches(stop)[start:stop]:
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if os.environ.get("SAVE"):
+        engine.save_checkpoint(os.path.join(workdir, "ckpt"), client_state={"next_step": stop})
+    torch.save({"losses": losses, "params": [p.detach().clone() for p in net.parameters()],
+                "lr": engine.get_lr(), "steps": engine.global_steps},
+               os.path.join(workdir, f"{mode}-rank{rank}.pt"))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
