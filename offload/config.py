@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 from csrc.errors import ConfigError
 from offload import config_keys as keys
+from offload import config_sections
 from offload.config_sections import (
     SCHEDULER_TYPES, AioConfig, BatchConfig, Bf16Config, EngineConfig, Fp16Config, OffloadDevice,
     OffloadOptimizerConfig, OffloadParamConfig, OffloadSectionConfig, OptimizerConfig, SchedulerConfig,
@@ -41,23 +42,7 @@ from offload.config_sections import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "OffloadDevice",
-    "BatchConfig",
-    "OptimizerConfig",
-    "SchedulerConfig",
-    "Fp16Config",
-    "Bf16Config",
-    "OffloadOptimizerConfig",
-    "OffloadParamConfig",
-    "ZeroConfig",
-    "AioConfig",
-    "OffloadSectionConfig",
-    "EngineConfig",
-    "read_config",
-    "resolve_daemon_socket",
-    "resolve_job_id",
-]
+__all__ = [*config_sections.__all__, "read_config", "resolve_daemon_socket", "resolve_job_id"]
 
 DAEMON_SOCKET_ENV = "OFFLOAD_DAEMON_SOCKET"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"

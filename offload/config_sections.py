@@ -255,8 +255,8 @@ class Bf16Config:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadOptimizerConfig:
-    """zero_optimization.offload_optimizer: where the fp32 master weights and Adam moments live."""
+class _OffloadTarget:
+    """What offload_optimizer and offload_param share: the device and its host buffers."""
 
     device: OffloadDevice = OffloadDevice.NONE
     """none, cpu (the tier's host memory) or nvme (the tier's swap files)."""
@@ -264,6 +264,19 @@ class OffloadOptimizerConfig:
     """Directory for the swap files; required for device nvme (read_config checks it is writable)."""
     pin_memory: bool = True
     """Page-lock the host buffers so device copies are asynchronous."""
+    buffer_count: int = 4
+    """Host buffers for what is read from or written to NVMe."""
+
+    def __post_init__(self) -> None:
+        _device(self)
+        _bool(self, "pin_memory")
+        _int(self, "buffer_count", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadOptimizerConfig(_OffloadTarget):
+    """zero_optimization.offload_optimizer: where the fp32 master weights and Adam moments live."""
+
     buffer_count: int = 4
     """Host staging buffers for NVMe sub-groups (param, grad and two moments)."""
     pipeline_read: bool = False
@@ -274,21 +287,14 @@ class OffloadOptimizerConfig:
     """NVMe: initialise the swapped states without a host round trip per sub-group."""
 
     def __post_init__(self) -> None:
-        _device(self)
-        _bool(self, "pin_memory", "pipeline_read", "pipeline_write", "fast_init")
-        _int(self, "buffer_count", 1)
+        super().__post_init__()
+        _bool(self, "pipeline_read", "pipeline_write", "fast_init")
 
 
 @dataclass(frozen=True, kw_only=True)
-class OffloadParamConfig:
+class OffloadParamConfig(_OffloadTarget):
     """zero_optimization.offload_param: stage 3 only (the engine refuses it for stages 0-2)."""
 
-    device: OffloadDevice = OffloadDevice.NONE
-    """none, cpu or nvme: where the partitioned params live between uses."""
-    nvme_path: str | None = None
-    """Directory for the param swap files; required for device nvme."""
-    pin_memory: bool = True
-    """Page-lock the host buffers."""
     buffer_count: int = 5
     """Host buffers for params read from NVMe."""
     buffer_size: int = 100_000_000
@@ -297,9 +303,7 @@ class OffloadParamConfig:
     """Param elements kept in host memory before spilling to NVMe."""
 
     def __post_init__(self) -> None:
-        _device(self)
-        _bool(self, "pin_memory")
-        _int(self, "buffer_count", 1)
+        super().__post_init__()
         _int(self, "buffer_size", 1)
         _int(self, "max_in_cpu", 0)
 
