@@ -1,10 +1,33 @@
-"""The training side: config, ``initialize()``, the engine, ZeRO partitioning, CLI.
+"""The training side: ``initialize()``, the engine, ZeRO partitioning, checkpoints, the CLI.
 
-Re-exports the exception family (as ``csrc.errors.__all__`` lists it, less the C
+```python
+import offload
+engine, optimizer, loader, lr_scheduler = offload.initialize(model=model, config="ds_config.json",
+                                                             training_data=dataset)
+for batch in loader:
+    loss = engine(batch)
+    engine.backward(loss)
+    engine.step()
+```
+
+The config is DeepSpeed's (``offload.config`` reads it; an unknown key is an error naming
+it). Also re-exports the exception family (as ``csrc.errors.__all__`` lists it, less the C
 helper ``raise_errno``), so a training script catches ``offload.OffloadError`` or a
-subclass whatever layer raised it. The engine is not built yet.
+subclass whatever layer raised it.
 """
 from csrc import errors as _errors
 from csrc.errors import *  # noqa: F401,F403
 
-__all__ = [name for name in _errors.__all__ if name != "raise_errno"]
+# The engine's names load on first use, so `offload daemon` and `offload status` start without torch.
+_LAZY = {"Engine": "offload.engine", "EngineStats": "offload.engine", "EngineConfig": "offload.config",
+         "read_config": "offload.config", "init_distributed": "offload.initialize", "initialize": "offload.initialize"}
+
+__all__ = [name for name in _errors.__all__ if name != "raise_errno"] + sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
