@@ -2,7 +2,7 @@
 
 ```python
 import offload
-engine, optimizer, loader, lr_scheduler = offload.initialize(model=model, config="ds_config.json",
+engine, optimizer, loader, lr_scheduler = offload.builder(model=model, config="ds_config.json",
                                                              training_data=dataset)
 for batch in loader:
     loss = engine(batch)
@@ -20,7 +20,7 @@ from csrc.errors import *  # noqa: F401,F403
 
 # The engine's names load on first use, so `offload daemon` and `offload status` start without torch.
 _LAZY = {"Engine": "offload.engine", "EngineStats": "offload.engine", "EngineConfig": "offload.config",
-         "read_config": "offload.config", "init_distributed": "offload.initialize", "initialize": "offload.initialize"}
+         "read_config": "offload.config", "init_distributed": "offload.builder", "initialize": "offload.builder"}
 
 __all__ = [name for name in _errors.__all__ if name != "raise_errno"] + sorted(_LAZY)
 

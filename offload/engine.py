@@ -2,7 +2,7 @@
 
 It delegates: gradients to ``GradReducer``, the optimizer step to ``PartitionedAdam`` (over a
 ``StateStorage`` on the tier), the loss scale to ``LossScaler``, checkpoints to
-``offload.checkpoint``. ``offload.initialize`` builds the parts and hands them over; the
+``offload.checkpoint``. ````offload.initialize`` builds the parts and hands them over; the
 engine only sequences them. Its accessors are DeepSpeed's, so scripts written for
 DeepSpeed's engine run with the import changed.
 """

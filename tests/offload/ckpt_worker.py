@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from offload.initialize import initialize
+from offload.builder import initialize
 
 GLOBAL_BATCH = 8
 

@@ -1,4 +1,5 @@
-"""``initialize()``: the one place that knows the whole engine. It reads the config, joins the
+"""``initialize()``: the one place that knows the whole engine (``offload.initialize`` is this module's function;
+the module is named builder so that the package attribute stays the function). It reads the config, joins the
 ranks, lays out the parameters, opens the tier, and wires the parts into an ``Engine``.
 
 Everything that can be wrong with the config is found by ``read_config`` before any of
