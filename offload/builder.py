@@ -28,13 +28,44 @@ from offload.zero.states import StateStorage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["init_distributed", "initialize"]
+__all__ = ["add_config_arguments", "init_distributed", "initialize"]
 
 # [Note: sub-group cap] A state block is 12 bytes per element and moves as one region, so
 # an offloaded sub-group is capped at 4 Mi elements (48 MiB): NVMe I/O of one block then
 # overlaps the step of another, and every block fits a daemon segment. DeepSpeed's default
 # sub_group_size (1e9) would otherwise make the whole partition one unpipelined block.
 OFFLOAD_SUB_GROUP_CAP = 1 << 22
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's argparse flags: ``--deepspeed`` and ``--deepspeed_config PATH`` (which ``initialize(args=...)``
+    reads when no ``config=`` is given), and ``--local_rank`` for launchers that pass it."""
+    group = parser.add_argument_group("offload", "offload engine configuration (DeepSpeed's flags)")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="accepted for DeepSpeed scripts")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="the DeepSpeed-style JSON config")
+    if not any("--local_rank" in a.option_strings for a in parser._actions):
+        group.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")))
+    return parser
+
+
+def _note_inert_settings(config: EngineConfig) -> None:
+    """Say once which accepted settings do not change what this engine does, and why."""
+    zero, inert = config.zero, []
+    if not zero.contiguous_gradients:
+        inert.append("zero_optimization.contiguous_gradients=false (gradients always live in one flat buffer)")
+    if not zero.reduce_scatter:
+        inert.append("zero_optimization.reduce_scatter=false (stages 1-2 always reduce-scatter buckets)")
+    if zero.overlap_comm:
+        inert.append("zero_optimization.overlap_comm (buckets are always reduced while backward runs)")
+    if zero.round_robin_gradients:
+        inert.append("zero_optimization.round_robin_gradients")
+    off = zero.offload_optimizer
+    if off.pipeline_read or off.pipeline_write:
+        inert.append("offload_optimizer.pipeline_read/pipeline_write (NVMe sub-groups are always pipelined)")
+    if off.fast_init:
+        inert.append("offload_optimizer.fast_init")
+    for item in inert:
+        logger.info("accepted, no effect here: %s", item)
 
 
 def init_distributed(dist_backend: str | None = None) -> None:
@@ -145,6 +176,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise ConfigError("zero_optimization.stage 3 is not supported yet: use stage 0, 1 or 2")
     if zero.offload_param.device != OffloadDevice.NONE:
         raise ConfigError("zero_optimization.offload_param needs stage 3, which is not supported yet")
+    _note_inert_settings(cfg)
 
     groups = _param_groups(model, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}

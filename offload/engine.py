@@ -91,6 +91,7 @@ class Engine:
         self.step_seconds = 0.0
         self.last_grad_norm: float | None = None
         self._multiplier: float | None = None  # set by step() for the optimizer's step() to apply
+        self.wall_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         self._closed = False
 
     # -- DeepSpeed's accessors -----------------------------------------------------------
@@ -153,10 +154,13 @@ class Engine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward; floating-point inputs are cast to the compute dtype (bf16/fp16)."""
+        t0 = time.perf_counter()
         if self.compute_dtype != torch.float32:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self.wall_seconds["forward"] += time.perf_counter() - t0
+        return out
 
     __call__ = forward
 
@@ -174,10 +178,12 @@ class Engine:
         first = (self.micro_steps % gas == 0) if stage2 else True
         if final:
             self.adam.prefetch_states()  # NVMe -> host while backward runs
+        t0 = time.perf_counter()
         self.reducer.begin(reduce=reduce, first=first, final=final)
         factor = self.scaler.scale / gas
         (loss * factor if factor != 1.0 else loss).backward()
         self.reducer.end()
+        self.wall_seconds["backward"] += time.perf_counter() - t0
         return loss
 
     def step(self) -> None:
@@ -208,11 +214,15 @@ class Engine:
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.step_seconds += time.perf_counter() - t0
+        self.wall_seconds["step"] = self.step_seconds
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
             logger.info("rank %d step %d: lr %s, grad norm %.4g, loss scale %g, step %.3f s total, I/O wait %.3f s",
                         self.global_rank, self.global_steps, self.get_lr(), self.last_grad_norm, self.scaler.scale,
                         self.step_seconds, self.adam.storage.io_wait_seconds)
+            if self.config.wall_clock_breakdown:
+                logger.info("rank %d wall clock so far: %s", self.global_rank,
+                            ", ".join(f"{k} {v:.3f} s" for k, v in self.wall_seconds.items()))
 
     def apply_update(self) -> None:
         """The optimizer's step (called by ``optimizer.step()`` from ``step()``, never by a script)."""
