@@ -20,6 +20,7 @@ __all__ = [
     "ProtocolError",
     "QuotaExceededError",
     "SessionError",
+    "StateTornError",
     "raise_errno",
 ]
 
@@ -65,6 +66,11 @@ class QuotaExceededError(OffloadError, MemoryError):
 
 class SessionError(OffloadError):
     """A session cannot be opened or reattached (already attached, unknown, or refused)."""
+
+
+class StateTornError(SessionError):
+    """A trainer died inside an optimizer step: the state its session holds is inconsistent and is
+    never resumed from (load the last checkpoint instead)."""
 
 
 def raise_errno(rc: int, what: str) -> None:

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+import time
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from csrc import ConfigError
+from csrc import ConfigError, StateTornError
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
 from offload.engine import Engine, RankInfo
 from offload.precision import LossScaler, LossScalerConfig
+from offload.resume import FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
 from offload.schedulers import build_scheduler
-from offload.tiers import open_tier, plan_bytes
+from offload.tiers import Tier, open_tier, plan_bytes
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
@@ -198,19 +202,15 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     flat_params = _flatten(model, layout, params, dtype, ranks.device)
     flat_grads = torch.zeros_like(flat_params)
 
-    tier = None
-    if offloaded:
-        nvme = device_kind == OffloadDevice.NVME
-        window = zero.offload_optimizer.buffer_count
-        plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=nvme,
-                          nvme_path=zero.offload_optimizer.nvme_path)
-        tier = open_tier(plan, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),
-                         rank=ranks.local_rank, aio=cfg.aio, host_memory_bytes=cfg.offload.host_memory_bytes,
-                         swap_capacity_bytes=cfg.offload.swap_capacity_bytes, checksum=cfg.offload.checksum)
+    t0 = time.perf_counter()
+    tier, verdict, payload, commit = _open_tier(cfg, layout, ranks) if offloaded else (None, FRESH, None, None)
     try:
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
                                device=ranks.device, window=zero.offload_optimizer.buffer_count)
-        storage.allocate(lambda sg, master: _fill_master(layout, sg, master, masters))
+        if verdict == RESUME:
+            storage.adopt()
+        else:
+            storage.allocate(lambda sg, master: _fill_master(layout, sg, master, masters))
         del masters
         opt = cfg.optimizer
         defaults = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
@@ -227,12 +227,68 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,
                         adam=adam, tier=tier, optimizer=facade, lr_scheduler=scheduler, scaler=_scaler(cfg),
                         compute_dtype=dtype, training_dataloader=loader)
+        if tier is not None and tier.daemon:
+            engine.commit = commit or CommitRegion(tier.store, existing=False)
+            _stop_on_sigterm(engine)
+        if verdict == RESUME:
+            adam.write_params_from_master()
+            engine.restore_small_state(payload)
+            engine.resumed_step = engine.global_steps
+            logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded)",
+                           ranks.rank, engine.global_steps, time.perf_counter() - t0)
     except BaseException:
         if tier is not None:
             tier.close()
         raise
     engine_box.append(engine)
     return engine, facade, loader, scheduler
+
+
+def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo):
+    """The tier for the optimizer state, and what a daemon session already holds (offload.resume):
+    (tier, verdict, committed state, commit region)."""
+    zero = cfg.zero
+    nvme = zero.offload_optimizer.device == OffloadDevice.NVME
+    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=zero.offload_optimizer.buffer_count, nvme=nvme,
+                      nvme_path=zero.offload_optimizer.nvme_path)
+
+    def open_() -> Tier:
+        return open_tier(plan, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),
+                         rank=ranks.local_rank, aio=cfg.aio, host_memory_bytes=cfg.offload.host_memory_bytes,
+                         swap_capacity_bytes=cfg.offload.swap_capacity_bytes, checksum=cfg.offload.checksum)
+
+    tier = open_()
+    if not tier.daemon:
+        return tier, FRESH, None, None
+    try:
+        verdict, step, payload, commit = inspect_session(tier.store)
+        verdict, said = agree(verdict, step, ranks.group, ranks.world_size)
+    except BaseException:
+        tier.close(keep_session=True)
+        raise
+    if verdict == TORN:
+        last = (payload or {}).get("last_checkpoint")
+        tier.close()  # the torn state is dropped: the next start is a fresh one
+        raise StateTornError(
+            f"rank {ranks.rank}: the daemon's copy of the training state is torn ({said}): a trainer died inside "
+            f"an optimizer step. It was discarded; restart and load the last checkpoint "
+            f"({last or 'none was saved by this job since it started'}).")
+    if verdict == FRESH and getattr(tier.store, "reattached", False):
+        tier.close()  # a session without a commit (a start that died early): begin again
+        tier = open_()
+    return tier, verdict, payload, commit
+
+
+def _stop_on_sigterm(engine: Engine) -> None:
+    """SIGTERM (a scheduler preempting the job) finishes the step, commits and detaches (Engine.step)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, frame) -> None:
+        logger.warning("rank %d: SIGTERM; stopping at the next step boundary", engine.global_rank)
+        engine.stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _fill_master(layout: FlatLayout, sg, master: torch.Tensor, masters: list[torch.Tensor]) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from csrc import ConfigError
+from offload.engine import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -206,24 +207,12 @@ def _quiet_single_process():
 
 
 def _engine_meta(engine) -> dict[str, Any]:
-    sched = engine.lr_scheduler
-    return {
-        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
-        "optimizer_steps": engine.adam.step_count, "loss_scaler": engine.scaler.state_dict(),
-        "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        "params": [(s.name, s.shape) for s in engine.layout.slots],
-        "module_keys": list(engine.module.state_dict().keys()),
-        "world_size": engine.world_size, "stage": engine.config.zero.stage, "dtype": str(engine.compute_dtype),
-    }
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    meta = engine.small_state()
+    del meta["rng"], meta["client_state"]  # per rank, and the caller's: entries of their own
+    meta.update(params=[(s.name, s.shape) for s in engine.layout.slots],
+                module_keys=list(engine.module.state_dict().keys()), world_size=engine.world_size,
+                stage=engine.config.zero.stage, dtype=str(engine.compute_dtype))
+    return meta
 
 
 def _bytes(value: Any) -> bytes:
@@ -239,7 +228,7 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
     state.update(lazy.placeholders())
     state["engine"] = _bytes(_engine_meta(engine))
     state["client_state"] = _bytes(client_state)
-    state[f"rng.rank{engine.global_rank}"] = _bytes(_rng_state())
+    state[f"rng.rank{engine.global_rank}"] = _bytes(rng_state())
     resident = _Resident(lazy.storage, write=False)
     progress = _progress(lazy.total_bytes, f"saving {path}")
     try:
@@ -250,6 +239,7 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
         resident.close()
         if progress is not None:
             progress.stop()
+    engine.last_checkpoint = path
     if save_latest and engine.global_rank == 0:
         with open(os.path.join(save_dir, LATEST), "w") as f:
             f.write(str(tag))
@@ -302,29 +292,15 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
         resident.close()
         if progress is not None:
             progress.stop()
-    _restore(engine, pickle.loads(state["engine"]), load_optimizer_states, load_lr_scheduler_states)
+    engine.restore_small_state(pickle.loads(state["engine"]), optimizer=load_optimizer_states,
+                               scheduler=load_lr_scheduler_states, rng=False)
     if rng_key in state:
-        rng = pickle.loads(state[rng_key])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        set_rng_state(pickle.loads(state[rng_key]))
+    client_state = pickle.loads(state["client_state"])
+    engine.client_state = dict(client_state) if isinstance(client_state, dict) else {}
     engine.zero_grad()
     logger.info("rank %d loaded %s", engine.global_rank, path)
-    return path, pickle.loads(state["client_state"])
-
-
-def _restore(engine, meta: dict[str, Any], optimizer_states: bool, scheduler_states: bool) -> None:
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
-    engine.global_samples = meta["global_samples"]
-    engine.skipped_steps = meta["skipped_steps"]
-    if optimizer_states:
-        engine.adam.step_count = meta["optimizer_steps"]
-        engine.scaler.load_state_dict(meta["loss_scaler"])
-        for group, saved in zip(engine.optimizer.param_groups, meta["param_groups"]):
-            group.update(saved)
-    if scheduler_states and meta["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+    return path, client_state
 
 
 def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from csrc import ConfigError
 from offload.precision import LossScaler, clip_coefficient
+from offload.resume import CommitRegion
 from offload.tiers import Tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -27,6 +28,19 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "RankInfo"]
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,6 +106,12 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._multiplier: float | None = None  # set by step() for the optimizer's step() to apply
         self.wall_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
+        self.client_state: dict[str, Any] = {}
+        """The caller's small state (its data position): committed with every step, back after a resume."""
+        self.commit: CommitRegion | None = None  # set by initialize when the tier is the daemon
+        self.resumed_step: int | None = None  # the step this process resumed from the daemon at, if it did
+        self.last_checkpoint: str | None = None
+        self.stop_requested = False  # SIGTERM: finish the step, commit, detach, exit
         self._closed = False
 
     # -- DeepSpeed's accessors -----------------------------------------------------------
@@ -187,10 +207,19 @@ class Engine:
         return loss
 
     def step(self) -> None:
-        """At an accumulation boundary: clip, step (or skip on overflow), update the loss scale and LR."""
-        if self.is_gradient_accumulation_boundary():
+        """At an accumulation boundary: clip, step (or skip on overflow), update the loss scale and LR,
+        and commit the small state to the daemon. After a SIGTERM, the boundary ends the process."""
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._take_step()
         self.micro_steps += 1
+        if boundary and self.commit is not None:
+            self.commit.commit(self.global_steps, self.small_state())
+            if self.stop_requested:
+                logger.warning("rank %d: stopping at step %d on SIGTERM; the state is committed and the session "
+                               "kept for a restart", self.global_rank, self.global_steps)
+                self.close(keep_session=True)
+                raise SystemExit(143)
 
     def _take_step(self) -> None:
         t0 = time.perf_counter()
@@ -207,6 +236,8 @@ class Engine:
             norm = math.sqrt(sumsq) / denom
             self.last_grad_norm = norm
             self._multiplier = clip_coefficient(norm, self.config.gradient_clipping) / denom
+            if self.commit is not None:
+                self.commit.begin_step()  # [Note: commit region layout] in offload.resume
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -234,13 +265,46 @@ class Engine:
     def zero_grad(self) -> None:
         self.reducer.zero()
 
+    # -- state that outlives the process ---------------------------------------------------
+
+    def small_state(self) -> dict[str, Any]:
+        """Everything but the tier's regions and the params: what a resume needs besides them."""
+        sched = self.lr_scheduler
+        return {
+            "global_steps": self.global_steps, "micro_steps": self.micro_steps, "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps, "optimizer_steps": self.adam.step_count,
+            "loss_scaler": self.scaler.state_dict(),
+            "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "rng": rng_state(), "client_state": dict(self.client_state), "last_checkpoint": self.last_checkpoint,
+        }
+
+    def restore_small_state(self, state: dict[str, Any], *, optimizer: bool = True, scheduler: bool = True,
+                            rng: bool = True) -> None:
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.global_samples = state["global_samples"]
+        self.skipped_steps = state["skipped_steps"]
+        if optimizer:
+            self.adam.step_count = state["optimizer_steps"]
+            self.scaler.load_state_dict(state["loss_scaler"])
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+                group.update(saved)
+        if scheduler and state["lr_scheduler"] is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if rng and state.get("rng") is not None:
+            set_rng_state(state["rng"])
+        self.client_state = dict(state.get("client_state") or {})
+        self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
+
     # -- checkpoints and stats ---------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
         from offload.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+        state = self.client_state if client_state is None else client_state
+        return save_checkpoint(self, save_dir, tag=tag, client_state=state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True) -> tuple[str | None, dict]:
@@ -270,6 +334,8 @@ class Engine:
             return
         self._closed = True
         self.reducer.close()
+        if self.commit is not None:
+            self.commit.release()
         if keep_session and self.tier is not None:
             self.tier.close(keep_session=True)
             return

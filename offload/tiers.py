@@ -49,6 +49,7 @@ class Tier:
     store: Any
     description: str
     swap_dir: str | None = None
+    daemon: bool = False
 
     def close(self, *, keep_session: bool = False) -> None:
         if keep_session and hasattr(self.store, "detach"):
@@ -70,9 +71,11 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
     if daemon_socket:
         from daemon import TierClient, TierClientConfig
 
+        from offload.resume import COMMIT_BYTES
+
         client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank,
-                                             quota_bytes=align_up(host_bytes, PAGE)))
-        return Tier(client, f"daemon {daemon_socket} (job {job_id!r}, rank {rank})")
+                                             quota_bytes=align_up(host_bytes + COMMIT_BYTES, PAGE)))
+        return Tier(client, f"daemon {daemon_socket} (job {job_id!r}, rank {rank})", daemon=True)
     config = TierStoreConfig(checksum="crc32c" if checksum else "none")
     if not plan.nvme:
         store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[],

@@ -126,6 +126,22 @@ class PartitionedAdam:
         if self.gather:
             self._all_gather()
 
+    def write_params_from_master(self) -> None:
+        """The params from the fp32 masters (after a resume, when only the tier kept the state)."""
+        order = range(len(self.layout.sub_groups))
+        for i in order:
+            state = self.storage.acquire(i)
+            self.storage.prefetch(order[i + 1:])
+            sg = self.layout.sub_groups[i]
+            for p in sg.pieces:
+                self._out(p).copy_(state[p.sub_start:p.sub_start + p.numel])
+            self.storage.release(i, dirty=False)
+        self.storage.drain()
+        if self._staging is not None:
+            self._copy_staging_to_device()
+        if self.gather:
+            self._all_gather()
+
     def _hyper(self, group: int) -> AdamConfig:
         g = self.optimizer.param_groups[group]
         beta1, beta2 = g["betas"]

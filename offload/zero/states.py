@@ -95,6 +95,17 @@ class StateStorage:
                 self.release(sg.index, dirty=True)
         self.drain()
 
+    def adopt(self) -> None:
+        """Take over the regions a previous process of this session left in the tier (a resume):
+        settle what was in flight, and with nvme write back what is still in host memory."""
+        self.tier.flush()
+        if self.nvme:
+            names = [self._state_name(sg.index) for sg in self.layout.sub_groups]
+            held = [n for n in names if self.tier.info(n).tier.value != "nvme"]
+            if held:
+                self.tier.wait_for_evict(self.tier.evict(held))
+            self._placement = [Placement.NVME for _ in self.layout.sub_groups]
+
     def grad(self, sg: int) -> torch.Tensor:
         """The fp32 gradient accumulator of a sub-group (always resident)."""
         name = self._grad_name(sg)

@@ -1,0 +1,135 @@
+"""Training state that outlives the trainer: a per-step commit in the daemon's memory, and resume from it.
+
+With the optimizer offloaded to the node daemon, the fp32 master weights and the Adam moments
+already live in the daemon's shared memory (or its swap). The rest of the training state is
+small: counters, the loss scale, the LR scheduler, RNG states, and the caller's
+``engine.client_state`` (its data position). ``CommitRegion`` keeps it in one more region of
+the session, rewritten at every step boundary, so that a restarted rank that reattaches to its
+session (within the daemon's grace period) continues from the last completed step without
+loading a checkpoint.
+
+[Note: commit region layout] Region ``engine.commit``, ``COMMIT_BYTES`` long, little-endian:
+
+    offset  size  field
+    0       8     magic b"OFLCMT01"
+    8       4     marker: 0 = committed, no optimizer step in progress; 1 = a step is in progress
+    12      4     reserved (0)
+    16      8     global step of the committed state
+    24      8     payload length in bytes
+    32      n     payload: a pickle of the engine's small state
+
+The trainer writes it (the daemon never reads it): the marker goes to 1 before the optimizer
+step touches the master weights or moments, the payload and step are written after the step,
+and the marker goes back to 0 last. A process killed anywhere in between leaves marker 1: the
+state is torn (some sub-groups stepped, others not) and is never resumed from.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import struct
+from typing import Any
+
+from csrc import ConfigError, SessionError, StateTornError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["COMMIT_BYTES", "CommitRegion"]
+
+COMMIT_NAME = "engine.commit"
+COMMIT_BYTES = 256 << 10
+MAGIC = b"OFLCMT01"
+_HEADER = struct.Struct("<8sIIqq")
+COMMITTED, IN_STEP = 0, 1
+
+
+class CommitRegion:
+    """The per-session commit region of [Note: commit region layout]."""
+
+    def __init__(self, store: Any, *, existing: bool) -> None:
+        self.store = store
+        if not existing:
+            store.allocate(COMMIT_NAME, COMMIT_BYTES)
+        self._view = store.host_view(COMMIT_NAME)
+        if not existing:
+            self._write_header(IN_STEP, -1, 0)  # nothing committed yet: not resumable
+
+    @staticmethod
+    def exists(store: Any) -> bool:
+        try:
+            store.info(COMMIT_NAME)
+        except ConfigError:
+            return False
+        return True
+
+    def _write_header(self, marker: int, step: int, length: int) -> None:
+        self._view[:_HEADER.size] = _HEADER.pack(MAGIC, marker, 0, step, length)
+
+    def read(self) -> tuple[int, int, dict[str, Any] | None]:
+        """(marker, step, payload). With marker IN_STEP the payload is the last commit's if it is still
+        whole (only its last_checkpoint is of use then), else None."""
+        magic, marker, _, step, length = _HEADER.unpack(bytes(self._view[:_HEADER.size]))
+        if magic != MAGIC:
+            raise SessionError(f"region {COMMIT_NAME!r} is not a commit region (magic {magic!r})")
+        try:
+            payload = pickle.loads(bytes(self._view[_HEADER.size:_HEADER.size + length])) if length else None
+        except Exception:  # a commit cut short mid-write: the marker says torn anyway
+            payload = None
+        if marker != COMMITTED or step < 0:
+            return IN_STEP, step, payload
+        return COMMITTED, step, payload
+
+    def begin_step(self) -> None:
+        """Before the optimizer step writes the state: mark it in progress."""
+        self._view[8:12] = struct.pack("<I", IN_STEP)
+
+    def commit(self, step: int, payload: dict[str, Any]) -> None:
+        """After the step: the small state, then the step number, then the marker."""
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > COMMIT_BYTES - _HEADER.size:
+            raise ConfigError(f"the per-step state is {len(data)} bytes, over the commit region's "
+                              f"{COMMIT_BYTES - _HEADER.size}: keep engine.client_state small (a data position, "
+                              "not data)")
+        self._view[_HEADER.size:_HEADER.size + len(data)] = data
+        self._view[16:32] = struct.pack("<qq", step, len(data))
+        self._view[8:12] = struct.pack("<I", COMMITTED)
+
+    def release(self) -> None:
+        self._view = None
+
+
+FRESH, RESUME, TORN = "fresh", "resume", "torn"
+
+
+def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, CommitRegion | None]:
+    """What this rank's session holds: (verdict, step, payload, commit region)."""
+    if not CommitRegion.exists(store):
+        return FRESH, -1, None, None
+    commit = CommitRegion(store, existing=True)
+    marker, step, payload = commit.read()
+    if marker != COMMITTED:
+        return TORN, step, payload, commit
+    return RESUME, step, payload, commit
+
+
+def agree(verdict: str, step: int, group: Any, world_size: int) -> tuple[str, str]:
+    """The verdict every rank acts on: resume only if every rank can resume from the same step,
+    fresh only if every rank is fresh, torn otherwise. Returns (verdict, what the ranks said)."""
+    if world_size == 1:
+        return verdict, f"{verdict} at step {step}"
+    import torch
+    import torch.distributed as dist
+
+    codes = {FRESH: 0, RESUME: 1, TORN: 2}
+    mine = torch.tensor([codes[verdict], step], dtype=torch.int64)
+    every = [torch.zeros(2, dtype=torch.int64) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    names = {v: k for k, v in codes.items()}
+    said = ", ".join(f"rank {r}: {names[int(t[0])]} at step {int(t[1])}" for r, t in enumerate(every))
+    kinds = {int(t[0]) for t in every}
+    steps = {int(t[1]) for t in every}
+    if kinds == {codes[FRESH]}:
+        return FRESH, said
+    if kinds == {codes[RESUME]} and len(steps) == 1:
+        return RESUME, said
+    return TORN, said

@@ -1,0 +1,74 @@
+"""A trainer for the resume tests (a script, alone or under torchrun; not collected by pytest).
+
+usage: resume_worker.py DEVICE WORKDIR STEPS
+Environment: FAULT=kill-forward|kill-step|sigterm-forward with FAULT_STEP and FAULT_RANK (first attempt
+only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start).
+Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt.
+"""
+import os
+import signal
+import sys
+
+import torch
+
+from offload import StateTornError, initialize
+from tests.offload import ckpt_worker
+
+
+def main() -> int:
+    device, workdir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    config = ckpt_worker.config(device, workdir, stage=int(os.environ.get("STAGE", "2")))
+    config["offload"] = {"job_id": os.environ.get("JOB_ID", "resume-test")}
+    if not os.environ.get("OFFLOAD_DAEMON_SOCKET"):
+        config.pop("offload")
+    net = ckpt_worker.model()
+    try:
+        engine, _, _, _ = initialize(model=net, config=config)
+    except StateTornError as exc:
+        print(f"TORN: {exc}", file=sys.stderr, flush=True)
+        return 3
+    rank, world = engine.global_rank, engine.world_size
+    ckpt_dir = os.path.join(workdir, "ckpt")
+    every = int(os.environ.get("CKPT_EVERY", "0"))
+    if engine.resumed_step is None and every and os.path.exists(os.path.join(ckpt_dir, "latest")):
+        engine.load_checkpoint(ckpt_dir)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not os.path.exists(
+        os.path.join(workdir, f"faulted-rank{rank}"))
+    fault = os.environ.get("FAULT", "") if first_attempt and rank == int(os.environ.get("FAULT_RANK", "0")) else ""
+    fault_step = int(os.environ.get("FAULT_STEP", "20"))
+    per_rank = ckpt_worker.GLOBAL_BATCH // world
+    data = ckpt_worker.batches(steps)
+    start = engine.client_state.get("next_step", 0)
+    with open(os.path.join(workdir, f"losses-rank{rank}.txt"), "a") as log:
+        for step in range(start, steps):
+            if fault and step == fault_step:
+                open(os.path.join(workdir, f"faulted-rank{rank}"), "w").close()
+                if fault == "kill-forward":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fault == "sigterm-forward":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if fault == "kill-step":  # die after the first sub-group of this step is written
+                    step_sub_group = engine.adam._step_sub_group
+
+                    def dying(*args, **kwargs):
+                        step_sub_group(*args, **kwargs)
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    engine.adam._step_sub_group = dying
+            x, y = data[step]
+            x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.client_state["next_step"] = step + 1
+            log.write(f"{step} {loss.item()!r}\n")
+            log.flush()
+            engine.step()
+            if every and (step + 1) % every == 0:
+                engine.save_checkpoint(ckpt_dir)
+    torch.save({"params": [p.detach().clone() for p in net.parameters()], "resumed_step": engine.resumed_step},
+               os.path.join(workdir, f"final-rank{rank}.pt"))
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Training through the node daemon (issue 10): ranks under torchrun share one daemon; a rank killed in
+forward is restarted by torchrun and resumes from the daemon's memory exactly; one killed inside the
+optimizer step gets the torn-state error and continues from its last checkpoint; SIGTERM commits and
+detaches, and a restart continues exactly."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.daemon.conftest import STORE, start_daemon
+
+pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "offload", "resume_worker.py")
+STEPS = 30
+
+
+@pytest.fixture
+def daemon():
+    d = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                     sessions={"default_quota_bytes": 8 << 20, "reattach_grace_seconds": 60.0})
+    yield d
+    d.stop()
+
+
+def _run(workdir, device, *, ranks=1, restarts=0, socket=None, timeout=300, **env):
+    full = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **{k: str(v) for k, v in env.items()})
+    full.pop("OFFLOAD_DAEMON_SOCKET", None)
+    if socket:
+        full["OFFLOAD_DAEMON_SOCKET"] = socket
+    args = [WORKER, device, str(workdir), str(STEPS)]
+    if ranks == 1 and not restarts:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--max-restarts",
+               str(restarts), "--monitor-interval", "0.5", "--master_port", str(29600 + os.getpid() % 300), *args]
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(workdir, rank=0):
+    """The last loss logged for each step (a resumed run logs some steps again)."""
+    out = {}
+    with open(os.path.join(workdir, f"losses-rank{rank}.txt")) as f:
+        for line in f:
+            step, loss = line.split()
+            out[int(step)] = float(loss)
+    return [out[s] for s in range(STEPS)]
+
+
+def _final(workdir, rank=0):
+    return torch.load(os.path.join(workdir, f"final-rank{rank}.pt"))
+
+
+def _same(a_dir, b_dir, ranks=1):
+    for r in range(ranks):
+        assert _losses(a_dir, r) == _losses(b_dir, r)
+        for p, q in zip(_final(a_dir, r)["params"], _final(b_dir, r)["params"]):
+            assert torch.equal(p, q)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Two ranks, embedded stores, uninterrupted."""
+    workdir = tmp_path_factory.mktemp("reference")
+    proc = _run(workdir, "nvme", ranks=2, restarts=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def test_two_ranks_through_one_daemon_equal_embedded_stores(tmp_path, daemon, reference):
+    proc = _run(tmp_path, "nvme", ranks=2, socket=daemon.socket_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _same(reference, tmp_path, ranks=2)
+    assert daemon.status()["sessions"] == []  # both sessions ended at close
+
+
+def test_rank_killed_in_forward_resumes_from_the_daemon_exactly(tmp_path, daemon, reference):
+    proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path,
+                FAULT="kill-forward", FAULT_STEP=12, FAULT_RANK=0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from the daemon at step 12" in proc.stderr
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == 12
+    _same(reference, tmp_path, ranks=2)
+
+
+def test_kill_inside_the_step_is_torn_and_the_checkpoint_continues(tmp_path, daemon):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert _run(ref, "nvme", CKPT_EVERY=10).returncode == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _run(run, "nvme", restarts=2, socket=daemon.socket_path, CKPT_EVERY=10, FAULT="kill-step", FAULT_STEP=15)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN:" in proc.stderr and "global_step10" in proc.stderr  # the error names the checkpoint
+    assert _final(run)["resumed_step"] is None  # the fresh start loaded the checkpoint instead
+    _same(ref, run)
+
+
+def test_sigterm_commits_and_a_restart_continues_exactly(tmp_path, daemon):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert _run(ref, "cpu").returncode == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    first = _run(run, "cpu", socket=daemon.socket_path, FAULT="sigterm-forward", FAULT_STEP=10)
+    assert first.returncode == 143, first.stderr[-3000:]
+    assert [s["job_id"] for s in daemon.status()["sessions"]] == ["resume-test"]  # kept for the restart
+    second = _run(run, "cpu", socket=daemon.socket_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert _final(run)["resumed_step"] == 11
+    _same(ref, run)
