@@ -104,7 +104,7 @@ static void transfer_block(ofl_aio_engine *e, ofl_aio_block *blk) {
     int32_t err = 0;
     while (moved < blk->len) {
         char *buf = r->buffer + blk->offset + moved;
-        size_t want = (size_t)(blk->len - moved);
+        size_t want = (size_t)ofl_aio_transfer_len(e, blk->len - moved);
         off_t pos = (off_t)(r->file_offset + blk->offset + moved);
         ssize_t n = r->op == OFL_AIO_OP_READ ? pread(r->fd, buf, want, pos) : pwrite(r->fd, buf, want, pos);
         if (n < 0) {
@@ -288,6 +288,12 @@ static int32_t find_buffer(ofl_aio_engine *e, uint64_t address, int64_t nbytes) 
             return i;
     }
     return -1;
+}
+
+int32_t ofl_aio_test_cap_transfer_bytes(ofl_aio_engine *e, int64_t nbytes) {
+    if (!e || nbytes < 0) return -EINVAL;
+    __atomic_store_n(&e->test_cap_bytes, nbytes, __ATOMIC_RELAXED);
+    return 0;
 }
 
 int32_t ofl_aio_engine_stats(ofl_aio_engine *e, ofl_aio_stats *out) {

@@ -61,7 +61,15 @@ struct ofl_aio_engine {
     struct ofl_aio_uring *rings;   /* io_uring engines only: config.num_threads rings */
     int32_t fixed_buffers;         /* 1 if the rings have a (sparse) registered buffer table */
     ofl_aio_buffer buffers[OFL_AIO_MAX_BUFFERS];
+    int64_t test_cap_bytes;        /* atomic; tests only: most bytes per read/write, 0 = no cap */
 };
+
+/* Bytes one read/write of `want` asks for: `want`, or less under a test cap
+ * (ofl_aio_test_cap_transfer_bytes). Every kind of engine sizes its transfers here. */
+static inline int64_t ofl_aio_transfer_len(ofl_aio_engine *e, int64_t want) {
+    int64_t cap = __atomic_load_n(&e->test_cap_bytes, __ATOMIC_RELAXED);
+    return cap > 0 && want > cap ? cap : want;
+}
 
 int64_t ofl_aio_now_ns(void);
 

@@ -41,14 +41,14 @@ typedef struct {
     int state;
 } slot;
 
-static void prep(slot *s) {
+static void prep(ofl_aio_engine *e, slot *s) {
     ofl_aio_request *r = s->blk.req;
     memset(&s->cb, 0, sizeof(s->cb));
     s->cb.aio_data = (uint64_t)(uintptr_t)s;
     s->cb.aio_lio_opcode = r->op == OFL_AIO_OP_READ ? IOCB_CMD_PREAD : IOCB_CMD_PWRITE;
     s->cb.aio_fildes = (uint32_t)r->fd;
     s->cb.aio_buf = (uint64_t)(uintptr_t)(r->buffer + s->blk.offset + s->moved);
-    s->cb.aio_nbytes = (uint64_t)(s->blk.len - s->moved);
+    s->cb.aio_nbytes = (uint64_t)ofl_aio_transfer_len(e, s->blk.len - s->moved);
     s->cb.aio_offset = r->file_offset + s->blk.offset + s->moved;
     s->state = SLOT_READY;
 }
@@ -77,7 +77,7 @@ static void complete(ofl_aio_engine *e, slot *s, int64_t res, int64_t *inflight)
     pthread_mutex_lock(&e->lock);
     e->stats.short_transfers++;
     pthread_mutex_unlock(&e->lock);
-    prep(s);
+    prep(e, s);
 }
 
 void *ofl_aio_linux_worker(void *arg) {
@@ -106,7 +106,7 @@ void *ofl_aio_linux_worker(void *arg) {
             ofl_aio_take_block(e, &slots[i].blk);
             slots[i].moved = 0;
             used++;
-            prep(&slots[i]);
+            prep(e, &slots[i]);
         }
         if (setup_err && e->head) {  /* no context: fail what we take, one block at a time */
             ofl_aio_block blk;

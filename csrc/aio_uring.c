@@ -163,7 +163,7 @@ static void queue_sqe(ofl_aio_engine *e, struct ofl_aio_uring *r, slot *s) {
     else sqe->opcode = fixed ? IORING_OP_WRITE_FIXED : IORING_OP_WRITE;
     sqe->fd = q->fd;
     sqe->addr = (uint64_t)(uintptr_t)(q->buffer + s->blk.offset + s->moved);
-    sqe->len = (uint32_t)(s->blk.len - s->moved);
+    sqe->len = (uint32_t)ofl_aio_transfer_len(e, s->blk.len - s->moved);
     sqe->off = (uint64_t)(q->file_offset + s->blk.offset + s->moved);
     if (fixed) {
         sqe->buf_index = (uint16_t)q->buf_index;

@@ -1,5 +1,7 @@
 /* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), as used by iSCSI, ext4 and
- * RocksDB. The SSE4.2 crc32 instruction when the CPU has it; a byte table otherwise. */
+ * RocksDB. The SSE4.2 crc32 instruction when the CPU has it; a byte table otherwise,
+ * or when a test forces it (ofl_io_crc32c_test_force_table), since on the x86 machines
+ * that run the tests the table would otherwise never run. */
 #include <errno.h>
 #include <pthread.h>
 #include <stddef.h>
@@ -12,6 +14,7 @@
 
 static uint32_t table[256];
 static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+static int32_t force_table;  /* atomic; tests only */
 
 static void build_table(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -45,14 +48,26 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uns
     return (uint32_t)c;
 }
 
-int32_t ofl_io_crc32c_hw(void) {
+static int32_t cpu_has_sse42;
+static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+
+static void detect_cpu(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    cpu_has_sse42 = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+}
+
+int32_t ofl_io_crc32c_hw(void) {
+    pthread_once(&cpu_once, detect_cpu);
+    return cpu_has_sse42 && !__atomic_load_n(&force_table, __ATOMIC_RELAXED);
 }
 #else
 static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t n) { return crc_table(crc, p, n); }
 int32_t ofl_io_crc32c_hw(void) { return 0; }
 #endif
+
+int32_t ofl_io_crc32c_test_force_table(int32_t on) {
+    return __atomic_exchange_n(&force_table, on ? 1 : 0, __ATOMIC_RELAXED);
+}
 
 int32_t ofl_io_crc32c(uint32_t crc, uint64_t address, int64_t nbytes, uint32_t *crc_out) {
     if (!crc_out || nbytes < 0 || (address == 0 && nbytes > 0)) return -EINVAL;

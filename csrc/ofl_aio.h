@@ -24,7 +24,8 @@
  *
  * A short transfer is continued from where it stopped; a read that reaches end of
  * file before `nbytes` fails the request with -ENODATA, a write that makes no
- * progress with -EIO. Nothing short is accepted silently.
+ * progress with -EIO. Nothing short is accepted silently. (Tests make every transfer
+ * short with ofl_aio_test_cap_transfer_bytes, on every kind of engine.)
  *
  * Requests are reference counted: the caller's reference is dropped with
  * ofl_aio_request_release (Python does it through ffi.gc); the engine holds its own
@@ -36,7 +37,7 @@
 
 #include <stdint.h>
 
-#define OFL_AIO_ABI_VERSION 2
+#define OFL_AIO_ABI_VERSION 3
 
 #define OFL_AIO_KIND_LINUX_AIO 1
 #define OFL_AIO_KIND_THREADS 2
@@ -125,11 +126,24 @@ int32_t ofl_aio_request_result(ofl_aio_engine *engine, ofl_aio_request *request,
 /* Drop the caller's reference. NULL is ignored. */
 void ofl_aio_request_release(ofl_aio_request *request);
 
+/* TEST ONLY. Ask for at most `nbytes` in each pread/pwrite (threads), iocb (Linux AIO)
+ * or SQE (io_uring) of this engine from now on, so that every block larger than that
+ * moves as a run of short transfers the engine must continue, each of which succeeds.
+ * 0 (the default) removes the cap. With O_DIRECT, `nbytes` must be a multiple of the
+ * device's logical block size. Unset, it costs one load per transfer.
+ * -EINVAL: NULL engine or nbytes < 0. */
+int32_t ofl_aio_test_cap_transfer_bytes(ofl_aio_engine *engine, int64_t nbytes);
+
 /* CRC-32C (Castagnoli) of `nbytes` at `address`, continuing from `crc` (0 to start).
  * Uses SSE4.2 when the CPU has it. */
 int32_t ofl_io_crc32c(uint32_t crc, uint64_t address, int64_t nbytes, uint32_t *crc_out);
 
 /* 1 if ofl_io_crc32c uses the SSE4.2 instruction here, else 0 (table). */
 int32_t ofl_io_crc32c_hw(void);
+
+/* TEST ONLY. 1: ofl_io_crc32c uses the byte table (the path of CPUs without SSE4.2)
+ * even where the CPU has SSE4.2, in the whole process, until called with 0. Returns
+ * the previous setting. Unset, it costs one load per call. */
+int32_t ofl_io_crc32c_test_force_table(int32_t on);
 
 #endif /* OFL_AIO_H */

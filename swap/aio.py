@@ -30,11 +30,12 @@ __all__ = [
     "buffer_address",
     "crc32c",
     "crc32c_hardware",
+    "force_crc32c_table_for_tests",
     "io_uring_errno",
     "linux_aio_errno",
 ]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ffi, lib = load_extension("csrc._aio", "ofl_aio_abi_version", ABI_VERSION, "the compiled I/O engine")
 
 KIND_LINUX_AIO = lib.OFL_AIO_KIND_LINUX_AIO
@@ -70,8 +71,14 @@ def crc32c(address: int, nbytes: int, crc: int = 0) -> int:
 
 
 def crc32c_hardware() -> bool:
-    """True if crc32c uses the SSE4.2 instruction on this CPU."""
+    """True if crc32c uses the SSE4.2 instruction on this CPU (False while the table is forced)."""
     return bool(lib.ofl_io_crc32c_hw())
+
+
+def force_crc32c_table_for_tests(on: bool) -> bool:
+    """TEST ONLY: make ``crc32c`` use the byte table (the path of CPUs without SSE4.2) in the
+    whole process while ``on``; returns the previous setting so a test can restore it."""
+    return bool(lib.ofl_io_crc32c_test_force_table(1 if on else 0))
 
 
 class CRequest:
@@ -140,6 +147,10 @@ class CEngine:
 
     def unregister_buffer(self, slot: int) -> None:
         raise_errno(lib.ofl_aio_unregister_buffer(self._handle, slot), "ofl_aio_unregister_buffer")
+
+    def cap_transfer_bytes_for_tests(self, nbytes: int) -> None:
+        """TEST ONLY: ask for at most ``nbytes`` per read/write syscall or submission (0: no cap)."""
+        raise_errno(lib.ofl_aio_test_cap_transfer_bytes(self._handle, nbytes), "ofl_aio_test_cap_transfer_bytes")
 
     def stats(self) -> dict[str, int]:
         out = ffi.new("ofl_aio_stats *")

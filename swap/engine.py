@@ -12,6 +12,7 @@ package allocates (pool regions, swap extents) is aligned to ``ALIGNMENT_BYTES``
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import logging
 import mmap
@@ -106,8 +107,10 @@ class IoRequest:
         return self._c.result()[0]
 
     def error(self) -> int:
-        """0, or the errno the transfer failed with (ENODATA: end of file before nbytes)."""
-        return self._c.result()[1]
+        """0, or the errno the transfer failed with (ENODATA: end of file before nbytes; EIO: it
+        completed without an error but moved fewer than ``nbytes``, which the engine must never do)."""
+        done, err, moved, _, _ = self._c.result()
+        return errno.EIO if done and not err and moved != self.nbytes else err
 
     def times_ns(self) -> tuple[int, int]:
         """(submitted, completed) on CLOCK_MONOTONIC; completed is 0 until done."""
@@ -115,13 +118,17 @@ class IoRequest:
         return res[3], res[4]
 
     def check(self) -> int:
-        """Wait, then return the bytes moved, or raise ``OSError`` with the errno."""
+        """Wait, then return the bytes moved (always ``nbytes``), or raise ``OSError`` with the
+        errno; a transfer that reports success after fewer bytes raises too (EIO)."""
         self.wait()
         _, err, moved, _, _ = self._c.result()
+        verb = "read" if self.op == aio.OP_READ else "write"
+        where = f"{verb} of {self.nbytes} bytes at offset {self.file_offset} (fd {self.fd})"
         if err:
-            verb = "read" if self.op == aio.OP_READ else "write"
-            raise OSError(err, f"{verb} of {self.nbytes} bytes at offset {self.file_offset} "
-                               f"(fd {self.fd}) failed after {moved} bytes: {os.strerror(err)}")
+            raise OSError(err, f"{where} failed after {moved} bytes: {os.strerror(err)}")
+        if moved != self.nbytes:
+            raise OSError(errno.EIO, f"{where} completed after only {moved} bytes with no error: "
+                                     f"a short transfer was not continued")
         return moved
 
 
@@ -181,6 +188,12 @@ class IoEngine:
             logger.warning("io_uring: cannot register a buffer of %d bytes (%s); using it unregistered",
                            nbytes, exc.strerror)
             return None
+
+    def cap_transfer_bytes_for_tests(self, nbytes: int) -> None:
+        """TEST ONLY: from now on ask for at most ``nbytes`` per read/write (pread/pwrite, iocb or
+        SQE), so that every larger block moves as short transfers that the engine must continue
+        (with O_DIRECT, a multiple of the logical block size); 0 removes the cap."""
+        self._engine().cap_transfer_bytes_for_tests(nbytes)
 
     def unregister_buffer(self, slot: int | None) -> None:
         """Forget a buffer that ``register_buffer`` returned ``slot`` for (None: nothing to do)."""

@@ -3,11 +3,14 @@
 The fault fixtures need a file system that really is full or read-only. Where this
 process may mount (root, as in CI containers and on the dev machines), they mount a
 size-limited tmpfs; elsewhere they skip and say why (a test that cannot fail is worse
-than a skipped one).
+than a skipped one). ``file_size_limit`` is the fault every user can make: a write
+refused halfway, with no mount (see [Note: a full disk without root] in test_faults).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import subprocess
 
 import pytest
@@ -25,6 +28,23 @@ def make_engine(kind: str, **overrides):
     config = dict(kind=kind, block_size_bytes=256 << 10, queue_depth=8, num_threads=2)
     config.update(overrides)
     return open_engine(IoEngineConfig(**config))
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Limit this process's writes to below file offset ``nbytes`` (RLIMIT_FSIZE) while inside.
+
+    The kernel then cuts a write that crosses the limit short and refuses one that starts
+    at or past it with EFBIG (Python ignores the SIGXFSZ that comes with it). The limit is
+    per process: the engines' threads and io_uring's workers obey it too."""
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if old[1] != resource.RLIM_INFINITY and old[1] < nbytes:
+        pytest.skip(f"the hard RLIMIT_FSIZE here ({old[1]} bytes) is below the {nbytes} this test needs")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
 
 
 @pytest.fixture(params=ENGINE_KINDS)

@@ -4,18 +4,17 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import resource
 import time
 
 import pytest
 
 from csrc import BuildError, ConfigError
 from csrc.loader import load_extension
-from swap import IoEngineConfig, align_up, crc32c, open_engine
+from swap import IoEngineConfig, align_up, open_engine
 from swap import aio as swap_aio
 from swap import engine as swap_engine
 
-from tests.swap.conftest import ENGINE_KINDS, make_engine
+from tests.swap.conftest import ENGINE_KINDS, file_size_limit, make_engine
 
 LENGTHS = [1, 4095, 4096, 4097, (1 << 20) + 3, 64 << 20]
 
@@ -239,16 +238,6 @@ def test_other_engines_ignore_registration():
         assert e.register_buffer(4096, 4096) is None
 
 
-def test_crc32c_matches_the_standard_check_value():
-    # the CRC-32C check value of "123456789" (RFC 3720, iSCSI)
-    data = b"123456789"
-    keep, address = swap_aio.buffer_address(data)
-    assert crc32c(address, len(data)) == 0xE3069283
-    # continuing a CRC over two parts equals one pass
-    first = crc32c(address, 4)
-    assert crc32c(address + 4, 5, first) == 0xE3069283
-
-
 def test_many_threads_and_deep_queue_keep_order_of_bytes(tmp_path):
     with make_engine("io_uring" if not swap_aio.io_uring_errno() else "threads",
                      block_size_bytes=128 << 10, queue_depth=32, num_threads=4) as e:
@@ -274,15 +263,13 @@ def test_short_write_is_continued_then_reported(engine, tmp_path, direct):
     and report the error, never count the request as done."""
     limit = 1 << 30
     fd = os.open(tmp_path / "big.bin", os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
     buf = _aligned(1 << 20)
     before = engine.stats()["short_transfers"]
     try:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
-        req = engine.write(fd, buf, limit - 8192)
-        req.wait()
+        with file_size_limit(limit):
+            req = engine.write(fd, buf, limit - 8192)
+            req.wait()
     finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, old)
         os.close(fd)
     assert req.error() == errno.EFBIG
     with pytest.raises(OSError, match="failed after 8192 bytes"):

@@ -10,6 +10,8 @@ import pytest
 from csrc import ChecksumError, SwapIOError, TierFullError
 from swap import HostPool, HostPoolConfig, SwapSpace, SwapSpaceConfig, Tier, TierStore, TierStoreConfig
 
+from tests.swap.conftest import file_size_limit
+
 
 @pytest.fixture
 def parts(engine):
@@ -57,6 +59,43 @@ def test_full_file_system_fails_the_evict_and_keeps_the_host_copy(parts, tiny_fs
     assert bytes(store.host_view("b")) == b
     assert store.stats().dirty_bytes == 3 << 20
     filler.unlink()  # room again: the same evict now works, and both regions come back whole
+    store.wait_for_evict(store.evict(["b"]))
+    store.wait_for_prefetch(store.prefetch(["a", "b"]))
+    assert bytes(store.host_view("a")) == a
+    assert bytes(store.host_view("b")) == b
+    assert store.stats().errors_total == 1
+
+
+def test_evict_refused_halfway_keeps_the_host_copy_for_any_user(parts, tmp_path):
+    """A write-back that the kernel cuts short and then refuses fails the evict; the region
+    keeps its host copy, bytes and dirty flag, and the same evict works once there is room.
+
+    [Note: a full disk without root] The tmpfs test above makes the disk really full, but
+    mounting needs root, and a test that skips for other users lets a store that frees the
+    host copy before a failed write pass. RLIMIT_FSIZE needs no privilege and fails a
+    write the same way a disk filling up mid-evict does: a write that crosses the limit is
+    cut short, the next one is refused (EFBIG). The limit is per process, so it is set in
+    this one (where the engine's threads and io_uring's workers write), only while the
+    evict runs, and at 1 GiB, far above anything else this process writes; the region is
+    placed across it in a sparse swap file, which costs no disk. A child process would
+    need the whole store rebuilt there and its checks reported back, for no gain."""
+    limit = 1 << 30
+    store = parts(tmp_path, swap_bytes=limit + (16 << 20), preallocate=False)
+    a = _put(store, "a", 3 << 20)
+    store.wait_for_evict(store.evict(["a"]))  # file offsets [0, 3 MiB)
+    spacer = store.space.allocate(limit - (4 << 20) - 8192)  # the next extent starts 1 MiB + 8 KiB below the limit
+    used = store.stats().swap_used_bytes
+    b = _put(store, "b", 3 << 20)
+    with pytest.raises(SwapIOError, match=r"evict of region 'b': write of .* failed: File too large") as info:
+        with file_size_limit(limit):
+            store.wait_for_evict(store.evict(["b"]))
+    assert info.value.errno == errno.EFBIG
+    assert store.info("b").tier == Tier.HOST
+    assert bytes(store.host_view("b")) == b
+    assert store.stats().dirty_bytes == 3 << 20
+    assert store.stats().swap_used_bytes == used, "the extents taken for the failed evict are given back"
+    assert store.info("a").tier == Tier.NVME
+    store.space.release(spacer)  # the limit is gone too: the same evict now works
     store.wait_for_evict(store.evict(["b"]))
     store.wait_for_prefetch(store.prefetch(["a", "b"]))
     assert bytes(store.host_view("a")) == a

@@ -52,6 +52,36 @@ def test_striping_round_robins_stripes_over_files(tmp_path):
         assert space.used_bytes == 0
 
 
+def test_striped_allocation_failing_in_a_later_file_gives_back_the_earlier_files_extents(tmp_path):
+    """File 0 has room for its share of the stripes, file 1 has as many bytes free but too
+    fragmented: the allocation fails naming file 1, and the extent it took in file 0 is
+    returned, so the same room serves the next allocation (no leak)."""
+    page = 4096
+    dirs = [tmp_path / "0", tmp_path / "1"]
+    for d in dirs:
+        d.mkdir()
+    cfg = SwapSpaceConfig(paths=[str(d) for d in dirs], capacity_bytes=16 * page, stripe_bytes=page)
+    with SwapSpace(cfg) as space:  # two files of 8 pages, striped page by page
+        singles = [space.allocate(page) for _ in range(4)]  # one stripe: file 0 only, pages 0-3
+        pairs = [space.allocate(2 * page) for _ in range(4)]  # file 0 pages 4-7, file 1 pages 0-3
+        assert {p.file_index for s in singles for p in s} == {0}
+        assert [[p.file_index for p in ps] for ps in pairs] == [[0, 1]] * 4
+        for ps in (pairs[0], pairs[2], *singles):
+            space.release(ps)
+        # free now: file 0 pages 0-4 and 6; file 1 pages 0, 2 and 4-7 (largest run: 4 pages)
+        used = space.used_bytes
+        assert used == 4 * page
+        with pytest.raises(TierFullError, match=rf"needs {5 * page} bytes in swap file {space.files[1].path}.*"
+                                                rf"largest run {4 * page}"):
+            space.allocate(10 * page, "region 'r'")  # 5 pages in each file
+        assert space.used_bytes == used, "the 5 pages taken in file 0 must be given back"
+        # 9 stripes: 5 pages in file 0 (only pages 0-4 are free in a row), 4 in file 1
+        ps = space.allocate(9 * page)
+        assert sorted({(p.file_index, p.file_offset) for p in ps if p.file_index == 0}) == [
+            (0, i * page) for i in range(5)]
+        assert space.used_bytes == used + 9 * page
+
+
 def test_full_space_is_a_tier_full_error_that_names_the_file(tmp_path):
     with SwapSpace(SwapSpaceConfig(paths=[str(tmp_path)], capacity_bytes=1 << 20)) as space:
         space.allocate(1 << 20)
