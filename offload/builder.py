@@ -80,7 +80,19 @@ def init_distributed(dist_backend: str | None = None) -> None:
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend=backend)
+        return
+    # [Note: restart store prefix] After torchrun restarts a worker group, the store can still hold
+    # the previous attempt's peer addresses; a fast rank read them before the slow one overwrote
+    # them and gloo gave up connecting to a dead port. Keys under a per-attempt prefix avoid that.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent_store, multi_tenant=not agent_store)
+    store = dist.PrefixStore(f"offload/attempt{restart}", base)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
 
 
 def _ranks() -> RankInfo:

@@ -38,7 +38,7 @@ def _run(workdir, device, *, ranks=1, restarts=0, socket=None, timeout=300, **en
         cmd = [sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--max-restarts",
-               str(restarts), "--monitor-interval", "0.5", "--master_port", str(29600 + os.getpid() % 300), *args]
+               str(restarts), "--monitor-interval", "0.5", "--standalone", *args]
     return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
