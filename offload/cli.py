@@ -1,4 +1,4 @@
-"""The ``offload`` command: ``info``, ``daemon`` (the node service) and ``status``."""
+"""The ``offload`` command: ``demo`` (the main job), ``info``, ``daemon`` (the node service) and ``status``."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,8 @@ def _daemon(args: argparse.Namespace) -> int:
     return run_daemon(config)
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB, GiB or TiB, one decimal above bytes."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -55,10 +56,10 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [
         f"engine      {status['engine']}",
         f"uptime      {status['uptime_seconds']:.0f} s",
-        f"pool        {_bytes(pool['used_bytes'])} used of {_bytes(pool['capacity_bytes'])}",
-        f"moved       read {_bytes(status['bytes_moved']['read'])} "
-        f"({_bytes(status['bytes_per_second']['read'])}/s), "
-        f"write {_bytes(status['bytes_moved']['write'])} ({_bytes(status['bytes_per_second']['write'])}/s)",
+        f"pool        {format_bytes(pool['used_bytes'])} used of {format_bytes(pool['capacity_bytes'])}",
+        f"moved       read {format_bytes(status['bytes_moved']['read'])} "
+        f"({format_bytes(status['bytes_per_second']['read'])}/s), "
+        f"write {format_bytes(status['bytes_moved']['write'])} ({format_bytes(status['bytes_per_second']['write'])}/s)",
         f"queue       {status['queued']} queued, {status['inflight']} in flight",
         f"metrics     {status.get('metrics_address') or 'off'}",
         "",
@@ -69,9 +70,10 @@ def format_status(status: dict[str, Any]) -> str:
         stats = s.get("stats", {})
 
         def b(key: str) -> str:
-            return _bytes(stats[key]) if isinstance(stats.get(key), (int, float)) else "-"
+            return format_bytes(stats[key]) if isinstance(stats.get(key), (int, float)) else "-"
         by_tier = " ".join(f"{t.lower()}={n}" for t, n in sorted(s.get("regions_by_tier", {}).items())) or "-"
-        rows.append((s["job_id"], str(s["rank"]), s["state"], _bytes(s["quota_bytes"]), str(stats.get("regions", "-")),
+        rows.append((s["job_id"], str(s["rank"]), s["state"], format_bytes(s["quota_bytes"]),
+                     str(stats.get("regions", "-")),
                      b("host_bytes"), b("nvme_bytes"), b("in_flight_bytes"), b("dirty_bytes"), by_tier))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
@@ -97,10 +99,37 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from offload.demo import DemoConfig, run_demo
+
+    given = {"steps": args.steps, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
+             "n_layer": args.n_layer, "n_embd": args.n_embd, "offload_device": args.device,
+             "swap_dir": args.swap_dir, "seed": args.seed, "plot_path": args.plot}
+    # A flag left out keeps DemoConfig's default, so the defaults live in one place.
+    config = DemoConfig(show_progress=not args.no_progress, **{k: v for k, v in given.items() if v is not None})
+    run_demo(config)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description="Memory-tiered offload engine.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this build runs: ISA paths, threads").set_defaults(fn=_info)
+
+    m = sub.add_parser("demo", help="train a small GPT on the shipped corpus, optimizer offloaded to NVMe")
+    m.add_argument("--steps", type=int, help="optimizer steps (300)")
+    m.add_argument("--device", choices=("nvme", "cpu", "none"),
+                   help="where the optimizer states go, offload_optimizer.device (nvme)")
+    m.add_argument("--plot", metavar="PATH", help="also write the loss curve as a PNG (needs matplotlib)")
+    m.add_argument("--micro-batch", type=int, help="windows of 64 characters per micro-batch (16)")
+    m.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (1)")
+    m.add_argument("--n-layer", type=int, help="decoder blocks (5)")
+    m.add_argument("--n-embd", type=int, help="model width (128)")
+    m.add_argument("--swap-dir", help="directory for the swap file (a temporary directory)")
+    m.add_argument("--seed", type=int, help="model init and data seed (0)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar, only the summary")
+    m.add_argument("--log-level", default="WARNING")
+    m.set_defaults(fn=_demo)
 
     d = sub.add_parser("daemon", help="run the node daemon in the foreground (SIGTERM drains and exits)")
     d.add_argument("--config", help="node.toml; flags below override it")

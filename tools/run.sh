@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's main job: set up (idempotent), then run it on the embedded default.
-# Until the training engine lands, the main job is the CPU Adam benchmark.
+# The README's main job: set up (idempotent), then `offload demo` on the embedded default:
+# a small GPT trained on the shipped corpus, optimizer states offloaded to NVMe in a
+# temporary directory. Arguments pass through (`bash tools/run.sh --help`, `--steps 100`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
-exec .venv/bin/python tools/bench/bench_adam.py "$@"
+exec .venv/bin/offload demo "$@"

@@ -199,12 +199,25 @@ class StateStorage:
             if self._placement[sg] == Placement.RESIDENT:
                 self.release(sg, dirty=False)
 
+    def poll(self) -> None:
+        """Retire evicts that have finished, without waiting for any."""
+        while self._evicting:
+            sg = self._evicting[0]
+            try:
+                self.tier.wait_for_evict(self._handles[sg], timeout_seconds=0)
+            except TimeoutError:
+                return
+            self._evicting.popleft()
+            del self._handles[sg]
+            self._placement[sg] = Placement.NVME
+
     def bytes_by_tier(self) -> dict[str, int]:
-        """Bytes of state blocks per tier now (grads not counted)."""
+        """Bytes of state blocks per tier now (grads not counted); "in_flight" while a transfer has them."""
+        self.poll()
         out = {"device": 0, "host": 0, "nvme": 0}
         for sg, where in zip(self.layout.sub_groups, self._placement):
-            key = {Placement.DEVICE: "device", Placement.NVME: "nvme"}.get(where, "host")
-            out[key] += 3 * sg.numel * F32
+            key = {Placement.DEVICE: "device", Placement.NVME: "nvme", Placement.IN_FLIGHT: "in_flight"}.get(where, "host")
+            out[key] = out.get(key, 0) + 3 * sg.numel * F32
         return out
 
     def close(self) -> None:

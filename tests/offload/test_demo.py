@@ -1,0 +1,88 @@
+"""The demo end to end with a tiny model, its config dict, and the CLI."""
+import io
+import importlib.util
+
+import pytest
+import torch
+from rich.console import Console
+
+from csrc.errors import ConfigError
+from offload import cli
+from offload.demo import DemoConfig, ds_config, run_demo
+
+TINY = dict(steps=40, micro_batch=8, block_size=32, n_layer=1, n_head=2, n_embd=32, lr=1e-2, warmup_steps=5,
+            val_windows=16, show_progress=False)
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _run(**kwargs):
+    out = io.StringIO()
+    result = run_demo(DemoConfig(**{**TINY, **kwargs}), console=Console(file=out, width=160))
+    return result, out.getvalue()
+
+
+def _assert_learns(result):
+    losses = result.losses
+    assert len(losses) == TINY["steps"]
+    assert sum(losses[-5:]) / 5 < 0.85 * losses[0]
+    assert result.val_loss_after < 0.9 * result.val_loss_before
+
+
+@pytest.mark.parametrize("device", ["nvme", "cpu", "none"])
+def test_offload_engine_loss_falls_and_states_live_where_asked(device, tmp_path):
+    result, text = _run(offload_device=device, swap_dir=str(tmp_path) if device == "nvme" else None)
+    _assert_learns(result)
+    stats = result.stats
+    assert stats.optimizer_device == device and stats.optimizer_steps == TINY["steps"]
+    if device == "nvme":
+        assert stats.bytes_written_total > 0 and stats.bytes_read_total > 0
+        assert stats.state_bytes_by_tier.get("nvme", 0) > 0
+    if device == "cpu":
+        assert stats.state_bytes_by_tier.get("host", 0) > 0
+    assert "down" in text and "val loss" in text and "┤" in text
+    assert f"{result.losses[0]:.3f} at step 1" in text
+
+
+def test_ds_config_offloads_to_nvme_at_stage_2():
+    config = DemoConfig(micro_batch=4, grad_accum=2)
+    ds = ds_config(config, "/some/dir")
+    assert ds["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/some/dir"},
+                                       "sub_group_size": 1 << 18}
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
+    assert ds["bf16"]["enabled"] == torch.cuda.is_available()
+    assert ds_config(DemoConfig(offload_device="cpu"), None)["zero_optimization"]["offload_optimizer"] == {
+        "device": "cpu"}
+
+
+@pytest.mark.parametrize("kwargs, field", [({"steps": 0}, "steps"), ({"offload_device": "disk"}, "offload_device"),
+                                           ({"compute_threads": -1}, "compute_threads")])
+def test_bad_demo_config_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        DemoConfig(**kwargs)
+
+
+def test_run_restores_torch_threads():
+    threads = torch.get_num_threads()
+    _run(steps=2, compute_threads=1, offload_device="cpu")
+    assert torch.get_num_threads() == threads
+
+
+def test_cli_demo_prints_the_summary(capsys):
+    assert cli.main(["demo", "--steps", "3", "--n-layer", "1", "--n-embd", "32", "--device", "cpu",
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer" in out and "loss" in out and "└1" in out
+
+
+@pytest.mark.skipif(HAS_MATPLOTLIB, reason="matplotlib is installed")
+def test_png_without_matplotlib_fails_before_training(capsys, tmp_path):
+    assert cli.main(["demo", "--steps", "3", "--plot", str(tmp_path / "loss.png")]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "loss.png").exists()
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_png_is_written(tmp_path):
+    path = tmp_path / "loss.png"
+    _run(steps=3, plot_path=str(path), offload_device="cpu")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
