@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from csrc import ConfigError
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
 from offload.engine import Engine, RankInfo
-from offload.init_context import init_fn_of
+from offload.meta_init import init_fn_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.schedulers import build_scheduler
 from offload.tiers import open_tier, plan_bytes

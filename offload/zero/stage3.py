@@ -41,6 +41,8 @@ class Stage3Parts:
     shards: ShardStore
     coordinator: ParamCoordinator
     param_tier: Tier | None
+    materialize_peak_bytes: int = 0
+    """The most bytes the unit buffers held at once while the params were put in their partitions."""
 
     def fill_master(self, sg: SubGroup, master: torch.Tensor) -> None:
         """The fp32 master of a sub-group, from the compute-dtype shards it covers."""
@@ -121,48 +123,56 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
                                                            max_live_numel=zero.stage3_max_live_parameters,
                                                            max_reuse_distance_numel=zero.stage3_max_reuse_distance),
                                        group=group, world_size=world_size)
-        _materialize(model, layout, plan, shards, coordinator, params, sources, param_init_fn)
+        peak = _materialize(model, layout, plan, shards, coordinator, params, sources, param_init_fn)
         del sources
         coordinator.after_step()  # nothing recorded yet: only gathers the persistent units
     except BaseException:
         if tier is not None:
             tier.close()
         raise
-    return Stage3Parts(layout, shards, coordinator, tier)
+    return Stage3Parts(layout, shards, coordinator, tier, peak)
 
 
 def _materialize(model, layout: FlatLayout, plan: UnitPlan, shards: ShardStore, coordinator: ParamCoordinator,
                  params: Sequence[torch.nn.Parameter], sources: list[torch.Tensor | None],
-                 param_init_fn: Callable[[torch.nn.Module], None] | None) -> None:
-    """[Note: materializing]: fill every unit and write this rank's shard of it."""
+                 param_init_fn: Callable[[torch.nn.Module], None] | None) -> int:
+    """[Note: materializing]: fill every unit and write this rank's shard of it. Returns the peak bytes held."""
     index_of = {id(p): i for i, p in enumerate(params)}
     unit_of = {i: b.index for b in layout.buckets for i in b.slots}
-    owners: dict[int, int] = {}  # unit -> modules still to run over it
-    module_units = []
-    for module in model.modules():
-        units = sorted({unit_of[index_of[id(p)]] for p in module.parameters(recurse=False) if id(p) in index_of})
-        if units:
-            module_units.append((module, units))
-            for u in units:
-                owners[u] = owners.get(u, 0) + 1
+    peak = 0
+    filled: set[int] = set()
+    written: set[int] = set()
     with torch.no_grad():
-        for module, units in module_units:
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in index_of]
+            if all(index_of[id(p)] in filled for p in own):
+                continue  # no params, or tied ones placed already
+            units = sorted({unit_of[index_of[id(p)]] for p in own})
             for u in units:
-                if not coordinator.is_gathered(u):
+                if coordinator.is_gathered(u):
+                    continue
+                if u in written:  # a tied param placed with another module: bring its unit back
+                    coordinator._gather(u)
+                else:
                     coordinator._full[u].untyped_storage().resize_(coordinator._full[u].numel() * shards.itemsize)
                     coordinator._full[u].zero_()
-            own = [p for p in module.parameters(recurse=False) if id(p) in index_of]
-            if any(sources[index_of[id(p)]] is None for p in own):
+            peak = max(peak, sum(f.untyped_storage().nbytes() for f in coordinator._full))
+            if any(index_of[id(p)] not in filled and sources[index_of[id(p)]] is None for p in own):
+                done = [(p, p.detach().clone()) for p in own if index_of[id(p)] in filled]
                 _init_module(module, param_init_fn)
+                for p, value in done:
+                    p.copy_(value)
             for p in own:
                 src = sources[index_of[id(p)]]
                 if src is not None:
                     p.copy_(src)
                     sources[index_of[id(p)]] = None  # the original is dropped as soon as it is placed
+                filled.add(index_of[id(p)])
             for u in units:
-                owners[u] -= 1
-                if owners[u] == 0:
+                if all(i in filled for i in layout.buckets[u].slots):
                     _write_shard(coordinator, shards, layout, u)
+                    written.add(u)
+    return peak
 
 
 def _init_module(module: torch.nn.Module, param_init_fn) -> None:

@@ -56,8 +56,10 @@ def plan_units(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parame
         owners.append((module, own))
         fresh: dict[int, list[int]] = {}
         for p in own:
-            if id(p) in unit_of or any(index_of[id(p)] in m for m in persistent_members.values()):
-                continue
+            i = index_of[id(p)]
+            if i in unit_of or any(i in m for m in persistent_members.values()) \
+                    or any(i in m for m in fresh.values()):
+                continue  # tied: it belongs to the first module that owns it
             target = persistent_members if p.numel() < persistence_threshold else fresh
             target.setdefault(group_of[id(p)], []).append(index_of[id(p)])
         for members in fresh.values():

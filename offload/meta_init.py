@@ -1,5 +1,7 @@
 """``offload.init_context(config)``: build a model that no process holds whole (DeepSpeed's ``zero.Init``).
 
+(The module is named meta_init so that ``offload.init_context`` stays the function.)
+
 Inside the context, modules are constructed on the meta device: their parameters have shapes
 and no memory. ``offload.initialize`` (stage 3) then puts each parameter straight into its
 partition, one module at a time ([Note: materializing] in ``offload.zero.stage3``), by
