@@ -54,6 +54,14 @@ class Stage3Parts:
             finally:
                 self.shards.release(piece.bucket, dirty=False)
 
+    def reload_from_masters(self, adam) -> None:
+        """After a checkpoint load: the compute-dtype shards from the fp32 masters, then regathered."""
+        with torch.no_grad():
+            for sg, state in adam.iter_states():
+                for piece in sg.pieces:
+                    self.shards.params_out(piece).copy_(state[piece.sub_start:piece.sub_start + piece.numel])
+        self.coordinator.after_step()
+
     def close(self) -> None:
         self.coordinator.close()
         self.shards.close()

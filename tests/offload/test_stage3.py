@@ -167,3 +167,35 @@ def test_two_ranks_match_one_rank(tmp_path, opt_device, param_device):
     for p, q, r in zip(a["params"], b0["params"], b1["params"]):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
         assert torch.equal(q, r)
+
+
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
+def test_checkpoint_resume_is_the_uninterrupted_run(tmp_path, param_device):
+    """Stage 3, optimizer on NVMe: save at step 10, load into a fresh engine, go on to 20: the same losses
+    and weights bit for bit as one run to 20 (fp32)."""
+    data = w.batches(STEPS)
+    config = w.config("nvme", param_device, str(tmp_path))
+
+    def engine_for():
+        net = w.model()
+        return initialize(model=net, config=config)[0], net
+
+    whole, whole_net = engine_for()
+    expected = _engine_run(whole, data)
+    with whole.stage3.coordinator.gathered():
+        expected_params = [p.detach().clone() for p in whole_net.parameters()]
+    whole.close()
+    first, _ = engine_for()
+    _engine_run(first, data[:10])
+    first.save_checkpoint(str(tmp_path / "ckpt"), client_state={"next": 10})
+    first.close()
+    resumed, net = engine_for()
+    _, client = resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert client == {"next": 10} and resumed.global_steps == 10
+    try:
+        assert _engine_run(resumed, data[10:]) == expected[10:]
+        with resumed.stage3.coordinator.gathered():
+            for p, q in zip(net.parameters(), expected_params):
+                assert torch.equal(p.detach(), q)
+    finally:
+        resumed.close()
