@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from csrc import ConfigError, StateTornError
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
 from offload.engine import Engine, RankInfo
+from offload.meta_init import init_fn_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.resume import FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
 from offload.schedulers import build_scheduler
@@ -28,6 +29,7 @@ from offload.tiers import Tier, open_tier, plan_bytes
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
+from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.states import StateStorage
 
 logger = logging.getLogger(__name__)
@@ -188,31 +190,42 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if cfg.optimizer is None:
         raise ConfigError("the config has no \"optimizer\" section: name Adam or AdamW there")
     zero = cfg.zero
-    if zero.stage == 3:
-        raise ConfigError("zero_optimization.stage 3 is not supported yet: use stage 0, 1 or 2")
-    if zero.offload_param.device != OffloadDevice.NONE:
-        raise ConfigError("zero_optimization.offload_param needs stage 3, which is not supported yet")
+    if zero.stage != 3 and zero.offload_param.device != OffloadDevice.NONE:
+        raise ConfigError("zero_optimization.offload_param needs zero_optimization.stage 3")
     _note_inert_settings(cfg)
 
+    dtype = _compute_dtype(cfg)
+    stage3 = zero.stage == 3
+    meta = stage3 and replace_meta_params(model, dtype, ranks.device)  # built under offload.init_context
     groups = _param_groups(model, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in groups for p in g["params"]]
-    masters = [p.detach().to("cpu", torch.float32, copy=True) for p in params]  # before any cast
-    dtype = _compute_dtype(cfg)
-    model.to(device=ranks.device)
-    if dtype != torch.float32:
-        model.to(dtype=dtype)
+    masters = None if stage3 else [p.detach().to("cpu", torch.float32, copy=True) for p in params]  # before casts
+    if not meta:
+        model.to(device=ranks.device)
+        if dtype != torch.float32:
+            model.to(dtype=dtype)
     device_kind = zero.offload_optimizer.device
     offloaded = device_kind != OffloadDevice.NONE
     sub_group = min(zero.sub_group_size, OFFLOAD_SUB_GROUP_CAP) if offloaded else zero.sub_group_size
     shard = zero.stage >= 1 and ranks.world_size > 1
-    layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
-                         for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
-                        world_size=ranks.world_size if shard else 1, rank=ranks.rank if shard else 0,
-                        bucket_numel=zero.reduce_bucket_size, sub_group_numel=sub_group)
-    logger.info("rank %d: %s", ranks.rank, layout.describe())
-    flat_params = _flatten(model, layout, params, dtype, ranks.device)
-    flat_grads = torch.zeros_like(flat_params)
+    parts = None
+    if stage3:
+        parts = build_stage3(model, [g["params"] for g in groups], names, zero=zero, aio=cfg.aio,
+                             checksum=cfg.offload.checksum, dtype=dtype, device=ranks.device, rank=ranks.rank,
+                             world_size=ranks.world_size, group=ranks.group, sub_group_numel=sub_group,
+                             param_init_fn=init_fn_of(model))
+        layout = parts.layout
+        flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
+        flat_grads = torch.zeros(layout.total_numel, dtype=dtype, device=ranks.device)
+    else:
+        layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
+                             for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
+                            world_size=ranks.world_size if shard else 1, rank=ranks.rank if shard else 0,
+                            bucket_numel=zero.reduce_bucket_size, sub_group_numel=sub_group)
+        logger.info("rank %d: %s", ranks.rank, layout.describe())
+        flat_params = _flatten(model, layout, params, dtype, ranks.device)
+        flat_grads = torch.zeros_like(flat_params)
 
     t0 = time.perf_counter()
     tier, verdict, payload, commit = _open_tier(cfg, layout, ranks) if offloaded else (None, FRESH, None, None)
@@ -222,7 +235,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if verdict == RESUME:
             storage.adopt()
         else:
-            storage.allocate(lambda sg, master: _fill_master(layout, sg, master, masters))
+            storage.allocate(parts.fill_master if parts else lambda sg, master: _fill_master(layout, sg, master, masters))
         del masters
         opt = cfg.optimizer
         defaults = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
@@ -231,19 +244,23 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                   lambda: engine_box[0].zero_grad())
         adam = PartitionedAdam(layout, storage, flat_params, optimizer=facade, adamw_mode=opt.adamw_mode,
                                bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,
-                               gather=shard)
+                               gather=shard, params_out=parts.shards.params_out if parts else None,
+                               after_step=parts.coordinator.after_step if parts else None)
         reducer = GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
                               comm_world=ranks.world_size, land=adam.land)
         scheduler = _scheduler(lr_scheduler, cfg, facade)
         loader = _dataloader(training_data, cfg, ranks, collate_fn) if training_data is not None else None
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,
                         adam=adam, tier=tier, optimizer=facade, lr_scheduler=scheduler, scaler=_scaler(cfg),
-                        compute_dtype=dtype, training_dataloader=loader)
+                        compute_dtype=dtype, training_dataloader=loader, stage3=parts)
         if tier is not None and tier.daemon:
             engine.commit = commit or CommitRegion(tier.store, existing=False)
             _stop_on_sigterm(engine)
         if verdict == RESUME:
-            adam.write_params_from_master()
+            if parts is not None:
+                parts.reload_from_masters(adam)
+            else:
+                adam.write_params_from_master()
             engine.restore_small_state(payload)
             engine.resumed_step = engine.global_steps
             logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded)",
@@ -251,6 +268,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     except BaseException:
         if tier is not None:
             tier.close()
+        if parts is not None:
+            parts.close()
         raise
     engine_box.append(engine)
     return engine, facade, loader, scheduler

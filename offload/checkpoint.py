@@ -206,6 +206,15 @@ def _quiet_single_process():
         yield
 
 
+def _module_state(engine) -> dict[str, Any]:
+    """The module's state dict; with stage 3 less its trainable params (their storage is released
+    between uses, and their values are the fp32 masters the optimizer entries hold)."""
+    if getattr(engine, "stage3", None) is None:
+        return engine.module.state_dict()
+    trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    return {k: v.detach() for k, v in engine.module.state_dict(keep_vars=True).items() if id(v) not in trainable}
+
+
 def _engine_meta(engine) -> dict[str, Any]:
     meta = engine.small_state()
     del meta["rng"], meta["client_state"]  # per rank, and the caller's: entries of their own
@@ -224,7 +233,7 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
     tag = tag or f"global_step{engine.global_steps}"
     path = os.path.join(save_dir, str(tag))
     lazy = _Lazy(engine)
-    state: dict[str, Any] = {f"module.{k}": v for k, v in engine.module.state_dict().items()}
+    state: dict[str, Any] = {f"module.{k}": v for k, v in _module_state(engine).items()}
     state.update(lazy.placeholders())
     state["engine"] = _bytes(_engine_meta(engine))
     state["client_state"] = _bytes(client_state)
@@ -270,7 +279,7 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
         return None, {}
     metadata = dcp.FileSystemReader(path).read_metadata()
     lazy = _Lazy(engine)
-    state: dict[str, Any] = {f"module.{k}": v for k, v in engine.module.state_dict().items()}
+    state: dict[str, Any] = {f"module.{k}": v for k, v in _module_state(engine).items()}
     missing = [k for k in lazy.entries if k not in metadata.state_dict_metadata]
     if load_optimizer_states and missing:
         raise ConfigError(f"checkpoint {path} has no optimizer state for {missing[0]!r} "
@@ -294,6 +303,8 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
             progress.stop()
     engine.restore_small_state(pickle.loads(state["engine"]), optimizer=load_optimizer_states,
                                scheduler=load_lr_scheduler_states, rng=False)
+    if engine.stage3 is not None and load_optimizer_states:
+        engine.stage3.reload_from_masters(engine.adam)
     if rng_key in state:
         set_rng_state(pickle.loads(state[rng_key]))
     client_state = pickle.loads(state["client_state"])

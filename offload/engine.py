@@ -84,7 +84,7 @@ class Engine:
     def __init__(self, *, module: torch.nn.Module, config, ranks: RankInfo, layout: FlatLayout,
                  flat_params: torch.Tensor, reducer: GradReducer, adam: PartitionedAdam, tier: Tier | None,
                  optimizer: OffloadOptimizer, lr_scheduler: Any, scaler: LossScaler, compute_dtype: torch.dtype,
-                 training_dataloader: Any = None) -> None:
+                 training_dataloader: Any = None, stage3: Any = None) -> None:
         self.module = module
         self.config = config
         self.ranks = ranks
@@ -98,6 +98,7 @@ class Engine:
         self.scaler = scaler
         self.compute_dtype = compute_dtype
         self.training_dataloader = training_dataloader
+        self.stage3 = stage3  # offload.zero.stage3.Stage3Parts: the param shards and their hooks
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -193,7 +194,7 @@ class Engine:
         """Backward of ``loss`` scaled by the loss scale / accumulation steps; reduces gradients as they come."""
         gas = self.gradient_accumulation_steps()
         final = self.is_gradient_accumulation_boundary()
-        stage2 = self.config.zero.stage == 2
+        stage2 = self.config.zero.stage >= 2  # stage 3 reduces every micro-step too
         reduce = final or stage2
         first = (self.micro_steps % gas == 0) if stage2 else True
         if final:
@@ -336,6 +337,8 @@ class Engine:
         self.reducer.close()
         if self.commit is not None:
             self.commit.release()
+        if self.stage3 is not None:
+            self.stage3.close()
         if keep_session and self.tier is not None:
             self.tier.close(keep_session=True)
             return

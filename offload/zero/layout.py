@@ -14,6 +14,10 @@ optimizer state (fp32 master, exp_avg, exp_avg_sq) covers the partition and is c
 into sub-groups of at most ``sub_group_numel`` elements: the unit that is stepped,
 prefetched and evicted. A ``Piece`` is a run of a sub-group that lies in one bucket
 (so in one param group and one contiguous range of the flat buffer).
+
+Stage 3 passes its own ``bucket_plan``: one bucket per unit of parameters gathered
+together (``offload.zero.units``), in the order given; the flat buffer is then only an
+address space (no process holds it whole), and everything else above holds unchanged.
 """
 from __future__ import annotations
 
@@ -84,8 +88,11 @@ class FlatLayout:
     """The layout of [Note: flat layout] for one rank."""
 
     def __init__(self, params: Sequence[tuple[str, tuple[int, ...], int]], *, world_size: int, rank: int,
-                 bucket_numel: int, sub_group_numel: int) -> None:
-        """``params``: (name, shape, group) per trainable parameter, in registration order."""
+                 bucket_numel: int, sub_group_numel: int,
+                 bucket_plan: Sequence[Sequence[int]] | None = None) -> None:
+        """``params``: (name, shape, group) per trainable parameter, in registration order.
+        ``bucket_plan``: the param indexes of each bucket, in bucket order (stage 3); each bucket
+        in one param group, every param in exactly one bucket. None: cut by ``bucket_numel``."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is not in a world of {world_size}")
         if bucket_numel < 1 or sub_group_numel < 1:
@@ -97,32 +104,55 @@ class FlatLayout:
         self.bucket_numel = bucket_numel
         self.params = [(name, tuple(shape), group) for name, shape, group in params]
         self.sub_group_numel = max(ALIGN_ELEMENTS, sub_group_numel // ALIGN_ELEMENTS * ALIGN_ELEMENTS)
+        self.bucket_plan = None if bucket_plan is None else tuple(tuple(b) for b in bucket_plan)
+        plan = self._plan_by_size(bucket_numel) if self.bucket_plan is None else self._checked(self.bucket_plan)
         unit = world_size * ALIGN_ELEMENTS
         slots: list[ParamSlot | None] = [None] * len(params)
         buckets: list[Bucket] = []
         start = 0
-        groups = sorted({g for _, _, g in params})
-        for group in groups:
-            members = [i for i in reversed(range(len(params))) if params[i][2] == group]
-            run: list[int] = []
+        for run in plan:
+            group = self.params[run[0]][2]
             run_numel = 0
-            for i in members + [None]:  # None closes the last bucket
-                numel = _numel(params[i][1]) if i is not None else 0
-                if run and (i is None or run_numel + numel > bucket_numel):
-                    padded = _round_up(run_numel, unit)
-                    buckets.append(Bucket(len(buckets), group, start, padded, tuple(run), padded // world_size))
-                    start += padded
-                    run, run_numel = [], 0
-                if i is not None:
-                    name, shape, _ = params[i]
-                    slots[i] = ParamSlot(i, name, tuple(shape), numel, group, start + run_numel)
-                    run.append(i)
-                    run_numel += numel
+            for i in run:
+                name, shape, _ = self.params[i]
+                slots[i] = ParamSlot(i, name, shape, _numel(shape), group, start + run_numel)
+                run_numel += _numel(shape)
+            padded = max(unit, _round_up(run_numel, unit))
+            buckets.append(Bucket(len(buckets), group, start, padded, tuple(run), padded // world_size))
+            start += padded
         self.slots: list[ParamSlot] = [s for s in slots if s is not None]
         self.buckets = buckets
         self.total_numel = start
         self.partition_numel = sum(b.shard_numel for b in buckets)
         self.sub_groups = self._cut_sub_groups()
+
+    def _plan_by_size(self, bucket_numel: int) -> list[list[int]]:
+        """Per param group, params in reverse registration order, cut at ``bucket_numel``."""
+        plan: list[list[int]] = []
+        for group in sorted({g for _, _, g in self.params}):
+            run: list[int] = []
+            run_numel = 0
+            for i in reversed(range(len(self.params))):
+                if self.params[i][2] != group:
+                    continue
+                numel = _numel(self.params[i][1])
+                if run and run_numel + numel > bucket_numel:
+                    plan.append(run)
+                    run, run_numel = [], 0
+                run.append(i)
+                run_numel += numel
+            if run:
+                plan.append(run)
+        return plan
+
+    def _checked(self, plan: Sequence[Sequence[int]]) -> list[list[int]]:
+        seen = sorted(i for run in plan for i in run)
+        if seen != list(range(len(self.params))) or any(not run for run in plan):
+            raise ConfigError("a bucket plan must place every parameter in exactly one non-empty bucket")
+        for run in plan:
+            if len({self.params[i][2] for i in run}) != 1:
+                raise ConfigError(f"bucket {list(run)} mixes param groups")
+        return [list(run) for run in plan]
 
     def _cut_sub_groups(self) -> list[SubGroup]:
         shards = []  # (part_start, bucket) in partition order
@@ -156,7 +186,7 @@ class FlatLayout:
     def for_rank(self, rank: int) -> "FlatLayout":
         """The same layout as another rank sees it (its partition and sub-groups)."""
         return FlatLayout(self.params, world_size=self.world_size, rank=rank, bucket_numel=self.bucket_numel,
-                          sub_group_numel=self.sub_group_numel)
+                          sub_group_numel=self.sub_group_numel, bucket_plan=self.bucket_plan)
 
     def describe(self) -> str:
         return (f"{len(self.slots)} params, {self.total_numel} elements in {len(self.buckets)} bucket(s); "

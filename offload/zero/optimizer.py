@@ -12,7 +12,7 @@ schedulers drive it; stepping goes through the engine.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,11 @@ class PartitionedAdam:
 
     def __init__(self, layout: FlatLayout, storage: StateStorage, flat_params: torch.Tensor, *,
                  optimizer: OffloadOptimizer, adamw_mode: bool, bias_correction: bool,
-                 group: dist.ProcessGroup | None, comm_world: int, gather: bool, num_threads: int | None = None) -> None:
+                 group: dist.ProcessGroup | None, comm_world: int, gather: bool, num_threads: int | None = None,
+                 params_out: Callable[[Piece], torch.Tensor] | None = None,
+                 after_step: Callable[[], None] | None = None) -> None:
+        """``params_out`` (stage 3): where a piece's updated low-precision params go instead of the
+        flat buffer (this rank's shard; nothing is gathered after the step); ``after_step`` runs then."""
         self.layout = layout
         self.storage = storage
         self.flat_params = flat_params
@@ -64,6 +68,8 @@ class PartitionedAdam:
         self.comm_world = comm_world
         self.gather = gather  # stages 1-2 over several ranks: all-gather the shards after the step
         self.num_threads = num_threads
+        self._params_out = params_out
+        self._after_step = after_step
         self.step_count = 0
         self.sumsq = 0.0
         self._on_host = storage.tier is not None or storage.device.type == "cpu"
@@ -71,7 +77,7 @@ class PartitionedAdam:
             raise ConfigError("optimizer.params.bias_correction false is not supported with the optimizer "
                               "state on a GPU (torch's Adam always corrects): offload it to cpu or nvme")
         self._staging = None
-        if self._on_host and flat_params.device.type != "cpu":
+        if self._on_host and flat_params.device.type != "cpu" and params_out is None:
             self._staging = torch.empty(layout.partition_numel, dtype=flat_params.dtype,
                                         pin_memory=torch.cuda.is_available())
         self._by_bucket: dict[int, list[tuple[int, Piece]]] = {}
@@ -123,8 +129,10 @@ class PartitionedAdam:
         self.step_count += 1
         if self._staging is not None:
             self._copy_staging_to_device()
-        if self.gather:
+        if self.gather and self._params_out is None:
             self._all_gather()
+        if self._after_step is not None:
+            self._after_step()
 
     def write_params_from_master(self) -> None:
         """The params from the fp32 masters (after a resume, when only the tier kept the state)."""
@@ -150,6 +158,8 @@ class PartitionedAdam:
                           num_threads=self.num_threads)
 
     def _out(self, piece: Piece) -> torch.Tensor:
+        if self._params_out is not None:
+            return self._params_out(piece)
         if self._staging is not None:  # a GPU model: the copy lands on the host, then goes over at once
             return self._staging[piece.part_start:piece.part_start + piece.numel]
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]

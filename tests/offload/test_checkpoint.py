@@ -22,7 +22,7 @@ def _run(args, *, ranks=1, env=None, timeout=240):
         cmd = [sys.executable, WORKER, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(29500 + os.getpid() % 1000), WORKER, *args]
+               "--standalone", WORKER, *args]
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

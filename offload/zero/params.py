@@ -1,0 +1,294 @@
+"""Stage 3: gather a unit's parameters before a module uses them, release them after.
+
+[Note: unit buffers] Every unit ([Note: stage-3 units]) has one full buffer on the model's
+device (the compute dtype, ``bucket.numel`` elements), made once; its parameters' ``.data``
+are views of it for good. Releasing a unit resizes the buffer's storage to 0 bytes and
+gathering resizes it back and all-gathers the shards into it (FSDP2 does the same). So
+every tensor autograd saved that views a parameter (``weight.t()`` in a linear layer) sees
+the gathered values again in backward, and nothing is held in between.
+
+When: a module's forward pre-hook gathers the units its own parameters are in, its forward
+hook releases them and registers a hook on its outputs' gradients that gathers them again
+before the module's backward; a unit is released in backward once every one of its
+parameters' gradients has been accumulated (or when backward ends). Persistent units stay
+gathered. After an optimizer step the shards are new: every gathered unit is refreshed.
+
+[Note: fetch order] Every step records the order units are fetched in (forward and
+backward). The last step's order drives the next: when unit u is fetched at position i,
+the shards of the units after i are prefetched from NVMe to host memory, up to
+``prefetch_bucket_numel`` elements ahead. A released unit is kept gathered when it is
+used again within ``max_reuse_distance_numel`` elements of other fetches; gathered
+non-persistent units never exceed ``max_live_numel`` elements unless the units in use at
+once alone do (kept units are dropped first). A step whose order differs replaces it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from offload.zero.layout import FlatLayout
+from offload.zero.shards import ShardStore
+from offload.zero.units import UnitPlan
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FetchStats", "ParamCoordinator", "Stage3Config"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage3Config:
+    """How far ahead to fetch and how much to keep (DeepSpeed's stage3_* keys)."""
+
+    prefetch_bucket_numel: int = 50_000_000
+    """Elements of shards prefetched ahead of use along the recorded order."""
+    max_live_numel: int = 1_000_000_000
+    """Elements of gathered non-persistent params at most (unless the units in use alone exceed it)."""
+    max_reuse_distance_numel: int = 1_000_000_000
+    """Keep a released unit gathered if it is fetched again within this many elements."""
+
+    def __post_init__(self) -> None:
+        for name in ("prefetch_bucket_numel", "max_live_numel", "max_reuse_distance_numel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"Stage3Config.{name} must be an integer >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FetchStats:
+    """What the parameter fetches did."""
+
+    gathers: int
+    """Units gathered (all-gathered, or copied from the shard with one rank)."""
+    peak_live_bytes: int
+    """The most bytes held by gathered unit buffers at once (their storages measured)."""
+    peak_live_numel: int
+    """The most elements of gathered non-persistent units at once."""
+    fetch_wait_seconds: float
+    """Time fetches waited on shard I/O."""
+    prefetches: int
+    """Shard prefetches started."""
+
+
+class ParamCoordinator:
+    """Hooks on the model's modules and params; gathers and releases units (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, layout: FlatLayout, plan: UnitPlan, shards: ShardStore,
+                 params: Sequence[torch.nn.Parameter], *, config: Stage3Config, group: dist.ProcessGroup | None,
+                 world_size: int) -> None:
+        self.layout = layout
+        self.plan = plan
+        self.shards = shards
+        self.config = config
+        self.group = group
+        self.world_size = world_size
+        self._numel = [b.numel for b in layout.buckets]
+        self._full = [torch.empty(b.numel, dtype=shards.dtype, device=shards.device) for b in layout.buckets]
+        self._unit_of_param: list[int] = [0] * len(params)
+        with torch.no_grad():
+            for b in layout.buckets:
+                for i in b.slots:
+                    slot = layout.slots[i]
+                    self._unit_of_param[i] = b.index
+                    params[i].data = self._full[b.index][slot.offset - b.start:slot.offset - b.start + slot.numel] \
+                        .view(slot.shape)
+        for full in self._full:
+            full.untyped_storage().resize_(0)
+        self._fwd_refs = [0] * len(layout.buckets)
+        self._bwd_pending = [0] * len(layout.buckets)  # params of a unit whose grads backward still owes
+        self._kept: list[int] = []  # released but still gathered (reuse), oldest first
+        self._order: list[int] = []  # the last step's fetch order ([Note: fetch order])
+        self._trace: list[int] = []
+        self._pos = 0
+        self._backward_queued = False
+        self.gathers = 0
+        self.peak_live_bytes = 0
+        self.peak_live_numel = 0
+        self.fetch_wait_seconds = 0.0
+        self._handles = []
+        for module, units in plan.module_units:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
+            self._handles.append(module.register_forward_hook(self._post_forward(units)))
+        for i, p in enumerate(params):
+            if self._unit_of_param[i] not in plan.persistent:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done(self._unit_of_param[i])))
+
+    # -- gather and release ----------------------------------------------------------------
+
+    def is_gathered(self, u: int) -> bool:
+        return self._full[u].untyped_storage().nbytes() > 0
+
+    def _live_numel(self) -> int:
+        return sum(self._numel[u] for u in range(len(self._full))
+                   if u not in self.plan.persistent and self.is_gathered(u))
+
+    def _gather(self, u: int) -> None:
+        full = self._full[u]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        t0 = time.perf_counter()
+        shard = self.shards.acquire(u)
+        self.fetch_wait_seconds += time.perf_counter() - t0
+        try:
+            with torch.no_grad():
+                if self.world_size == 1:
+                    full.copy_(shard)
+                else:
+                    dist.all_gather_into_tensor(full, shard.to(full.device, copy=True), group=self.group)
+        finally:
+            self.shards.release(u, dirty=False)
+        self.gathers += 1
+        live = sum(f.untyped_storage().nbytes() for f in self._full)
+        self.peak_live_bytes = max(self.peak_live_bytes, live)
+        self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
+
+    def _free(self, u: int) -> None:
+        self._full[u].untyped_storage().resize_(0)
+
+    def _in_use(self, u: int) -> bool:
+        return self._fwd_refs[u] > 0 or self._bwd_pending[u] > 0
+
+    def fetch(self, u: int) -> None:
+        """Make unit ``u`` gathered (recording the order, prefetching along the last one)."""
+        self._trace.append(u)
+        self._advance(u)
+        if u in self._kept:
+            self._kept.remove(u)
+        if self.is_gathered(u):
+            return
+        while self._kept and self._live_numel() + self._numel[u] > self.config.max_live_numel:
+            self._free(self._kept.pop(0))
+        self._gather(u)
+
+    def _advance(self, u: int) -> None:
+        """Find ``u`` in the last order from the current position; prefetch the shards after it."""
+        try:
+            self._pos = self._order.index(u, self._pos) + 1
+        except ValueError:
+            return
+        budget = self.config.prefetch_bucket_numel
+        ahead = []
+        for v in self._order[self._pos:]:
+            if budget < self.layout.buckets[v].shard_numel:
+                break
+            budget -= self.layout.buckets[v].shard_numel
+            if not self.is_gathered(v) and v not in ahead:
+                ahead.append(v)
+        self.shards.prefetch(ahead)
+
+    def _reuse_distance(self, u: int) -> int | None:
+        """Elements fetched before ``u`` is fetched again along the last order; None: not again."""
+        distance = 0
+        for v in self._order[self._pos:]:
+            if v == u:
+                return distance
+            distance += self._numel[v]
+        return None
+
+    def release(self, u: int) -> None:
+        """Done with ``u`` for now: keep it if it is reused soon and there is room, else free it."""
+        if u in self.plan.persistent or self._in_use(u) or not self.is_gathered(u):
+            return
+        distance = self._reuse_distance(u)
+        if distance is not None and distance <= self.config.max_reuse_distance_numel \
+                and self._live_numel() <= self.config.max_live_numel:
+            if u not in self._kept:
+                self._kept.append(u)
+            return
+        self._free(u)
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _pre_forward(self, units: tuple[int, ...]):
+        def hook(module, args):
+            for u in units:
+                self._fwd_refs[u] += 1
+                self.fetch(u)
+        return hook
+
+    def _post_forward(self, units: tuple[int, ...]):
+        def hook(module, args, output):
+            for u in units:
+                self._fwd_refs[u] -= 1
+                self.release(u)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward(units), mode="any")
+            return None
+        return hook
+
+    def _pre_backward(self, units: tuple[int, ...]):
+        def hook(grad):
+            if not self._backward_queued:
+                self._backward_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            for u in units:
+                if self._bwd_pending[u] == 0:
+                    self._bwd_pending[u] = len(self.layout.buckets[u].slots)
+                self.fetch(u)
+        return hook
+
+    def _grad_done(self, u: int):
+        def hook(param):
+            if self._bwd_pending[u] > 0:
+                self._bwd_pending[u] -= 1
+                if self._bwd_pending[u] == 0:
+                    self.release(u)
+        return hook
+
+    def _after_backward(self) -> None:
+        self._backward_queued = False
+        for u in range(len(self._full)):
+            if self._bwd_pending[u]:
+                self._bwd_pending[u] = 0
+                self.release(u)
+
+    # -- around the optimizer step ------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """The shards changed: write them back, drop every stale gathered unit, regather persistent
+        ones, and make this step's fetch order the one the next step follows."""
+        self.shards.flush()
+        for u in range(len(self._full)):
+            if self.is_gathered(u):
+                self._free(u)
+        self._kept.clear()
+        for u in sorted(self.plan.persistent):
+            self._gather(u)
+        if self._trace and self._trace != self._order:
+            logger.info("stage 3: fetch order recorded (%d fetches)", len(self._trace))
+            self._order = self._trace
+        self._trace, self._pos = [], 0
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter gathered for the block (to read the whole model: DeepSpeed's GatheredParameters)."""
+        units = [u for u in range(len(self._full)) if u not in self.plan.persistent]
+        for u in units:
+            self._fwd_refs[u] += 1
+            if not self.is_gathered(u):
+                self._gather(u)
+        try:
+            yield
+        finally:
+            for u in units:
+                self._fwd_refs[u] -= 1
+                self.release(u)
+
+    def stats(self) -> FetchStats:
+        return FetchStats(gathers=self.gathers, peak_live_bytes=self.peak_live_bytes,
+                          peak_live_numel=self.peak_live_numel, fetch_wait_seconds=self.fetch_wait_seconds,
+                          prefetches=self.shards.prefetches_started)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for u in range(len(self._full)):
+            self._free(u)

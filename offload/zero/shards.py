@@ -1,0 +1,204 @@
+"""Stage 3: this rank's shard of every unit, in the compute dtype, wherever ``offload_param`` puts it.
+
+With ``offload_param`` none the shards are one tensor on the model's device (the rank's
+partition, unit after unit). With cpu or nvme each unit's shard is a region ``param.<unit>``
+of the tier (the embedded ``TierStore``; the same verbs as the optimizer's), seen through
+``host_view``. With nvme a shard is on NVMe unless it is being used or was prefetched for
+use, and at most ``window`` shards hold host memory at once ([Note: shard window]); the
+host pool is sized for ``window`` of the largest shard, so no unit is ever too large for it.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import time
+from typing import Any, Iterable
+
+import torch
+
+from csrc import ConfigError
+from offload.zero.layout import FlatLayout, Piece
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardPlacement", "ShardStore"]
+
+
+class ShardPlacement(enum.Enum):
+    """Where a unit's shard is, and who owns its memory."""
+
+    DEVICE = "device"  # a slice of this store's device tensor (offload_param none)
+    HOST = "host"  # a host region of the tier, resident for good (offload_param cpu)
+    NVME = "nvme"  # on NVMe: the tier owns the extents; no host memory is held
+    IN_FLIGHT = "in_flight"  # a prefetch or evict owns the host copy until it is waited for
+    RESIDENT = "resident"  # in host memory and ours to read and write
+
+
+class ShardStore:
+    """The compute-dtype shards of one rank's partition, per unit (bucket of the layout)."""
+
+    def __init__(self, layout: FlatLayout, *, dtype: torch.dtype, device: torch.device, tier: Any | None,
+                 nvme: bool, window: int) -> None:
+        if nvme and tier is None:
+            raise ConfigError("offload_param nvme needs a tier")
+        self.layout = layout
+        self.dtype = dtype
+        self.device = device
+        self.tier = tier
+        self.nvme = nvme
+        self.window = max(3, window)
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
+        self._part_start = []
+        part = 0
+        for b in layout.buckets:
+            self._part_start.append(part)
+            part += b.shard_numel
+        self._flat: torch.Tensor | None = None
+        self._place = [ShardPlacement.DEVICE if tier is None else ShardPlacement.HOST for _ in layout.buckets]
+        self._handles: dict[int, Any] = {}
+        self._evicting: collections.deque[int] = collections.deque()
+        self._pins = [0] * len(layout.buckets)
+        self._held_for_write: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+        self.io_wait_seconds = 0.0
+        self.prefetches_started = 0
+
+    def _name(self, b: int) -> str:
+        return f"param.{b}"
+
+    def allocate(self) -> None:
+        """Make every shard, zeroed; with nvme they then go to NVMe as they are written (``release``)."""
+        if self.tier is None:
+            self._flat = torch.zeros(self.layout.partition_numel, dtype=self.dtype, device=self.device)
+            return
+        for b in self.layout.buckets:
+            if self.nvme:
+                self._make_room()
+            self.tier.allocate(self._name(b.index), b.shard_numel * self.itemsize)
+            self._place[b.index] = ShardPlacement.RESIDENT if self.nvme else ShardPlacement.HOST
+            self._view(b.index).zero_()
+            self.tier.mark_dirty(self._name(b.index))
+            self._evict(b.index)
+
+    def _view(self, b: int) -> torch.Tensor:
+        if self._flat is not None:
+            start = self._part_start[b]
+            return self._flat[start:start + self.layout.buckets[b].shard_numel]
+        return torch.frombuffer(self.tier.host_view(self._name(b)), dtype=self.dtype,
+                                count=self.layout.buckets[b].shard_numel)
+
+    # -- [Note: shard window] ---------------------------------------------------------------
+    # With nvme, shards that are prefetched, resident or being evicted hold host memory; at
+    # most `window` of them. To make room the oldest evict is waited for, else a resident
+    # shard that nobody holds (a prefetch not yet used) is dropped (it is clean: no write).
+
+    def _held(self) -> int:
+        return sum(1 for p in self._place if p in (ShardPlacement.IN_FLIGHT, ShardPlacement.RESIDENT))
+
+    def _make_room(self) -> bool:
+        while self._held() >= self.window:
+            if self._evicting:
+                self._finish_evict(self._evicting.popleft())
+                continue
+            idle = [b for b, p in enumerate(self._place) if p == ShardPlacement.RESIDENT and not self._pins[b]]
+            if not idle:
+                return False
+            self._evict(idle[0])
+        return True
+
+    def _finish_evict(self, b: int) -> None:
+        t0 = time.perf_counter()
+        self.tier.wait_for_evict(self._handles.pop(b))
+        self.io_wait_seconds += time.perf_counter() - t0
+        self._place[b] = ShardPlacement.NVME
+
+    def _evict(self, b: int) -> None:
+        if not self.nvme or self._place[b] != ShardPlacement.RESIDENT:
+            return
+        self._handles[b] = self.tier.evict([self._name(b)])
+        self._place[b] = ShardPlacement.IN_FLIGHT
+        self._evicting.append(b)
+
+    def prefetch(self, units: Iterable[int]) -> None:
+        """Start bringing shards from NVMe to host memory while the window has room (no-op otherwise)."""
+        if not self.nvme:
+            return
+        for b in units:
+            if self._place[b] == ShardPlacement.IN_FLIGHT and b in self._evicting:
+                self._evicting.remove(b)
+                self._finish_evict(b)
+            if self._place[b] != ShardPlacement.NVME:
+                continue
+            if not self._make_room():
+                return
+            self._handles[b] = self.tier.prefetch([self._name(b)])
+            self._place[b] = ShardPlacement.IN_FLIGHT
+            self.prefetches_started += 1
+
+    def acquire(self, b: int) -> torch.Tensor:
+        """The shard of unit ``b`` (held until ``release``), waiting for or starting its prefetch."""
+        if self.nvme and self._place[b] != ShardPlacement.RESIDENT:
+            self.prefetch([b])
+            if self._place[b] == ShardPlacement.NVME:
+                raise ConfigError(f"no room to bring unit {b}'s shard in: {self.window} shards are held")
+            t0 = time.perf_counter()
+            self.tier.wait_for_prefetch(self._handles.pop(b))
+            self.io_wait_seconds += time.perf_counter() - t0
+            self._place[b] = ShardPlacement.RESIDENT
+        self._pins[b] += 1
+        return self._view(b)
+
+    def release(self, b: int, *, dirty: bool) -> None:
+        """Done with a shard; with nvme it goes back (written if ``dirty``) once nobody holds it."""
+        self._pins[b] -= 1
+        if self.tier is not None and dirty:
+            self.tier.mark_dirty(self._name(b))
+        if self._pins[b] == 0:
+            self._evict(b)
+
+    # -- the optimizer step writes the updated params straight into the shards ---------------
+
+    def params_out(self, piece: Piece) -> torch.Tensor:
+        """Where the fused step writes a piece's low-precision params (held until ``flush``)."""
+        shard = self._held_for_write.get(piece.bucket)
+        if shard is None:
+            while len(self._held_for_write) >= self.window - 1:
+                old, _ = self._held_for_write.popitem(last=False)
+                self.release(old, dirty=True)
+            shard = self._held_for_write[piece.bucket] = self.acquire(piece.bucket)
+        start = piece.flat_start - self.layout.buckets[piece.bucket].shard_start(self.layout.rank)
+        return shard[start:start + piece.numel]
+
+    def flush(self) -> None:
+        """Give back the shards the step wrote (to NVMe with nvme) and wait for the writes."""
+        while self._held_for_write:
+            b, _ = self._held_for_write.popitem(last=False)
+            self.release(b, dirty=True)
+        self.drain()
+
+    def drain(self) -> None:
+        while self._evicting:
+            self._finish_evict(self._evicting.popleft())
+
+    def bytes_by_tier(self) -> dict[str, int]:
+        out = {"device": 0, "host": 0, "nvme": 0}
+        for b, where in zip(self.layout.buckets, self._place):
+            key = {ShardPlacement.DEVICE: "device", ShardPlacement.NVME: "nvme"}.get(where, "host")
+            out[key] += b.shard_numel * self.itemsize
+        return out
+
+    def close(self) -> None:
+        if self.tier is None:
+            self._flat = None
+            return
+        for b in list(self._handles):
+            try:
+                (self.tier.wait_for_evict if b in self._evicting else self.tier.wait_for_prefetch)(self._handles.pop(b))
+            except Exception as exc:  # closing anyway: say what was lost
+                logger.warning("on close, param shard %d: %s", b, exc)
+        self._evicting.clear()
+        for b in self.layout.buckets:
+            try:
+                self.tier.free(self._name(b.index))
+            except ConfigError:
+                pass  # never allocated (a failed start)

@@ -1,0 +1,204 @@
+"""Stage 3 set-up: units, layout, shards (on the device, host or NVMe), and the model's params put
+in their partitions one module at a time.
+
+[Note: materializing] A model built under ``offload.init_context`` has its parameters on the
+meta device (no memory). Each of them is replaced by a parameter of no storage; then, module
+by module in registration order, the units that module's params are in get their full
+buffers, the module's ``reset_parameters()`` (or the context's ``param_init_fn``) fills
+them, this rank's shard of each finished unit is written to the shard store and the buffer
+is freed. So the most this process holds at once is the persistent units plus the units of
+one module. A model with real parameters goes the same way, its values copied instead.
+Every rank draws the same random numbers in the same order, so the ranks agree, and
+with the same seed the values are those of the model built the plain way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from csrc import ConfigError
+from offload.config import OffloadDevice
+from offload.tiers import PAGE, Tier, TierPlan, open_tier
+from offload.zero.layout import FlatLayout, SubGroup
+from offload.zero.params import ParamCoordinator, Stage3Config
+from offload.zero.shards import ShardStore
+from offload.zero.units import UnitPlan, plan_units
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Stage3Parts", "build_stage3", "replace_meta_params"]
+
+
+@dataclasses.dataclass
+class Stage3Parts:
+    """What ``initialize`` wires in for stage 3."""
+
+    layout: FlatLayout
+    shards: ShardStore
+    coordinator: ParamCoordinator
+    param_tier: Tier | None
+    materialize_peak_bytes: int = 0
+    """The most bytes the unit buffers held at once while the params were put in their partitions."""
+
+    def fill_master(self, sg: SubGroup, master: torch.Tensor) -> None:
+        """The fp32 master of a sub-group, from the compute-dtype shards it covers."""
+        for piece in sg.pieces:
+            shard = self.shards.acquire(piece.bucket)
+            try:
+                start = piece.flat_start - self.layout.buckets[piece.bucket].shard_start(self.layout.rank)
+                master[piece.sub_start:piece.sub_start + piece.numel].copy_(shard[start:start + piece.numel])
+            finally:
+                self.shards.release(piece.bucket, dirty=False)
+
+    def reload_from_masters(self, adam) -> None:
+        """After a checkpoint load: the compute-dtype shards from the fp32 masters, then regathered."""
+        with torch.no_grad():
+            for sg, state in adam.iter_states():
+                for piece in sg.pieces:
+                    self.shards.params_out(piece).copy_(state[piece.sub_start:piece.sub_start + piece.numel])
+        self.coordinator.after_step()
+
+    def close(self) -> None:
+        self.coordinator.close()
+        self.shards.close()
+        if self.param_tier is not None:
+            self.param_tier.close()
+            self.param_tier = None
+
+
+def replace_meta_params(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> bool:
+    """Give every meta parameter a real one of no storage (ties kept) and buffers real zeros; True if any."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            new = made.get(id(p))
+            if new is None:
+                data = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device=device)
+                data.untyped_storage().resize_(0)
+                new = made[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            module._parameters[name] = new
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+    return bool(made)
+
+
+def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, checksum: bool) -> Tier | None:
+    """The embedded store for the shards: host memory for all of them (cpu), or for ``buffer_count``
+    of the largest (nvme), sized from the layout so no unit is too large for it."""
+    off = zero.offload_param
+    if off.device == OffloadDevice.NONE:
+        return None
+    sizes = sorted((-(-b.shard_numel * itemsize // PAGE) * PAGE for b in layout.buckets), reverse=True)
+    nvme = off.device == OffloadDevice.NVME
+    window = max(3, off.buffer_count)
+    resident = sum(sizes[:window]) if nvme else sum(sizes)
+    plan = TierPlan(nvme=nvme, region_bytes=tuple(sizes), resident_bytes=resident,
+                    swap_bytes=sum(sizes) if nvme else 0, nvme_path=off.nvme_path)
+    return open_tier(plan, daemon_socket=None, job_id="params", rank=rank, aio=aio, host_memory_bytes=None,
+                     swap_capacity_bytes=None, checksum=checksum)
+
+
+def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], names: dict[int, str], *,
+                 zero, aio, checksum: bool, dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
+                 group: dist.ProcessGroup | None, sub_group_numel: int,
+                 param_init_fn: Callable[[torch.nn.Module], None] | None = None) -> Stage3Parts:
+    """Lay out the units, open the shards' tier, put the params in their partitions, hook the modules."""
+    plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold)
+    params = [p for g in groups for p in g]
+    layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
+                         for gi, g in enumerate(groups) for i, p in enumerate(g)],
+                        world_size=world_size, rank=rank, bucket_numel=zero.reduce_bucket_size,
+                        sub_group_numel=sub_group_numel, bucket_plan=plan.buckets)
+    logger.info("rank %d: stage 3, %d unit(s) (%d persistent); %s", rank, len(layout.buckets), len(plan.persistent),
+                layout.describe())
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    tier = _param_tier(zero, layout, itemsize, rank=rank, aio=aio, checksum=checksum)
+    try:
+        shards = ShardStore(layout, dtype=dtype, device=device, tier=tier.store if tier else None,
+                            nvme=zero.offload_param.device == OffloadDevice.NVME,
+                            window=zero.offload_param.buffer_count)
+        shards.allocate()
+        sources = [p.detach() if p.untyped_storage().nbytes() > 0 else None for p in params]
+        coordinator = ParamCoordinator(model, layout, plan, shards, params,
+                                       config=Stage3Config(prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
+                                                           max_live_numel=zero.stage3_max_live_parameters,
+                                                           max_reuse_distance_numel=zero.stage3_max_reuse_distance),
+                                       group=group, world_size=world_size)
+        peak = _materialize(model, layout, plan, shards, coordinator, params, sources, param_init_fn)
+        del sources
+        coordinator.after_step()  # nothing recorded yet: only gathers the persistent units
+    except BaseException:
+        if tier is not None:
+            tier.close()
+        raise
+    return Stage3Parts(layout, shards, coordinator, tier, peak)
+
+
+def _materialize(model, layout: FlatLayout, plan: UnitPlan, shards: ShardStore, coordinator: ParamCoordinator,
+                 params: Sequence[torch.nn.Parameter], sources: list[torch.Tensor | None],
+                 param_init_fn: Callable[[torch.nn.Module], None] | None) -> int:
+    """[Note: materializing]: fill every unit and write this rank's shard of it. Returns the peak bytes held."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    unit_of = {i: b.index for b in layout.buckets for i in b.slots}
+    peak = 0
+    filled: set[int] = set()
+    written: set[int] = set()
+    with torch.no_grad():
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in index_of]
+            if all(index_of[id(p)] in filled for p in own):
+                continue  # no params, or tied ones placed already
+            units = sorted({unit_of[index_of[id(p)]] for p in own})
+            for u in units:
+                if coordinator.is_gathered(u):
+                    continue
+                if u in written:  # a tied param placed with another module: bring its unit back
+                    coordinator._gather(u)
+                else:
+                    coordinator._full[u].untyped_storage().resize_(coordinator._full[u].numel() * shards.itemsize)
+                    coordinator._full[u].zero_()
+            peak = max(peak, sum(f.untyped_storage().nbytes() for f in coordinator._full))
+            if any(index_of[id(p)] not in filled and sources[index_of[id(p)]] is None for p in own):
+                done = [(p, p.detach().clone()) for p in own if index_of[id(p)] in filled]
+                _init_module(module, param_init_fn)
+                for p, value in done:
+                    p.copy_(value)
+            for p in own:
+                src = sources[index_of[id(p)]]
+                if src is not None:
+                    p.copy_(src)
+                    sources[index_of[id(p)]] = None  # the original is dropped as soon as it is placed
+                filled.add(index_of[id(p)])
+            for u in units:
+                if all(i in filled for i in layout.buckets[u].slots):
+                    _write_shard(coordinator, shards, layout, u)
+                    written.add(u)
+    return peak
+
+
+def _init_module(module: torch.nn.Module, param_init_fn) -> None:
+    if param_init_fn is not None:
+        param_init_fn(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        raise ConfigError(f"stage 3 cannot initialize the meta parameters of {type(module).__name__}: it has no "
+                          "reset_parameters(); pass init_context(param_init_fn=...)")
+
+
+def _write_shard(coordinator: ParamCoordinator, shards: ShardStore, layout: FlatLayout, u: int) -> None:
+    b = layout.buckets[u]
+    full = coordinator._full[u]
+    shard = shards.acquire(u)
+    try:
+        shard.copy_(full[layout.rank * b.shard_numel:(layout.rank + 1) * b.shard_numel])
+    finally:
+        shards.release(u, dirty=True)
+    coordinator._free(u)

@@ -1,0 +1,84 @@
+"""Stage 3's units: which parameters are gathered together, and which modules need which units.
+
+[Note: stage-3 units] A unit is a set of parameters that is all-gathered, used and released
+as one; it is one bucket of the layout ([Note: flat layout] with a ``bucket_plan``), so its
+gradients are also reduce-scattered as one and its shards are consecutive in the rank's
+partition. Units are cut per module, in registration order (the order forward usually runs
+in): the trainable parameters a module owns directly (``recurse=False``) and that are not
+persistent form one unit per param group. Parameters with fewer than
+``stage3_param_persistence_threshold`` elements are persistent (DeepSpeed's rule): they go
+into one unit per param group that stays gathered for good, so small biases and norms cost
+no collective per use. A tied parameter belongs to the first module that owns it; every
+module that owns it needs that unit (``UnitPlan.module_units``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["UnitPlan", "plan_units"]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitPlan:
+    """The buckets of a stage-3 layout and how modules map onto them."""
+
+    buckets: tuple[tuple[int, ...], ...]
+    """Param indexes (into the trainable params, in group order) per unit, in unit order."""
+    persistent: frozenset[int]
+    """Units that stay gathered."""
+    module_units: tuple[tuple[torch.nn.Module, tuple[int, ...]], ...]
+    """(module, units its own params are in) for every module that owns trainable params."""
+
+
+def plan_units(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], *,
+               persistence_threshold: int) -> UnitPlan:
+    """Cut the trainable params of ``groups`` (lists of params, the optimizer's param groups) into units."""
+    index_of: dict[int, int] = {}
+    group_of: dict[int, int] = {}
+    for gi, params in enumerate(groups):
+        for p in params:
+            group_of[id(p)] = gi
+            index_of[id(p)] = len(index_of)
+    buckets: list[tuple[int, ...]] = []
+    unit_of: dict[int, int] = {}
+    persistent_members: dict[int, list[int]] = {}
+    owners: list[tuple[torch.nn.Module, list[torch.nn.Parameter]]] = []
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) in index_of]
+        if not own:
+            continue
+        owners.append((module, own))
+        fresh: dict[int, list[int]] = {}
+        for p in own:
+            i = index_of[id(p)]
+            if i in unit_of or any(i in m for m in persistent_members.values()) \
+                    or any(i in m for m in fresh.values()):
+                continue  # tied: it belongs to the first module that owns it
+            target = persistent_members if p.numel() < persistence_threshold else fresh
+            target.setdefault(group_of[id(p)], []).append(index_of[id(p)])
+        for members in fresh.values():
+            for i in members:
+                unit_of[i] = len(buckets)
+            buckets.append(tuple(members))
+    placed = set(unit_of) | {i for m in persistent_members.values() for i in m}
+    stray = [i for i in range(len(index_of)) if i not in placed]
+    if stray:  # a param group holding tensors no module owns directly cannot happen; keep the plan whole anyway
+        logger.warning("stage 3: %d trainable params owned by no module: made persistent", len(stray))
+        by_index = {index_of[k]: group_of[k] for k in index_of}
+        for i in stray:
+            persistent_members.setdefault(by_index[i], []).append(i)
+    persistent = set()
+    for members in persistent_members.values():
+        for i in members:
+            unit_of[i] = len(buckets)
+        persistent.add(len(buckets))
+        buckets.append(tuple(members))
+    module_units = tuple((m, tuple(sorted({unit_of[index_of[id(p)]] for p in own} - persistent)))
+                         for m, own in owners)
+    return UnitPlan(tuple(buckets), frozenset(persistent), tuple(x for x in module_units if x[1]))
