@@ -1,11 +1,12 @@
 """The store-facing side of the daemon: build the swap objects, and carry their values on the wire.
 
 The daemon serves the swap package's ``TierStore``: one ``SwapSpace`` and one I/O
-engine shared by every session, and per session its own ``HostPool`` (memfd
-segments, sized by the session's quota) under its own ``TierStore``. ``SwapBackend``
-builds them from the daemon's config. Anything with the same members can stand in
-for it (the tests use a test double where the swap package is absent):
-``engine_name``, ``open_store(quota_bytes) -> SessionStore``, ``engine_stats()``,
+engine shared by every session, one ``NodePool`` of memfd segments made at start
+(``daemon.pool``), and per session a ``HostPool`` over segments lent from it (sized
+by the session's quota) under its own ``TierStore``. ``SwapBackend`` builds them from
+the daemon's config. Anything with the same members can stand in for it (the tests
+use a test double where the swap package is absent): ``engine_name``,
+``open_store(quota_bytes, owner_uid) -> SessionStore``, ``engine_stats()``,
 ``space_info()``, ``close()``.
 
 ``region_to_wire`` / ``region_from_wire`` and ``stats_to_wire`` / ``stats_from_wire``
@@ -21,6 +22,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from csrc.errors import ConfigError
 from daemon.config import PoolConfig
+from daemon.pool import NodePool
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ class SessionStore(NamedTuple):
 class StoreBackend(Protocol):
     engine_name: str
 
-    def open_store(self, quota_bytes: int) -> SessionStore: ...
+    def open_store(self, quota_bytes: int, owner_uid: int) -> SessionStore: ...
 
     def engine_stats(self) -> dict[str, Any]: ...
 
@@ -81,32 +83,43 @@ class SwapBackend:
         io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
         self._pool_config = pool
         self._store_config = _swap.TierStoreConfig(**dict(store))
+        swap_config = _swap.SwapSpaceConfig(**swap)
         self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
+        self._space = self._pool = None
         try:
-            self._space = _swap.SwapSpace(_swap.SwapSpaceConfig(**swap), engine=self._engine)
+            self._space = _swap.SwapSpace(swap_config, engine=self._engine)
+            self._pool = NodePool(pool)
         except BaseException:
-            self._engine.close()
+            self.close()
             raise
         self.engine_name = str(self._engine.name)
         logger.info("swap: engine %s, %d file(s), %d bytes", self.engine_name, len(self._space.files),
                     self._space.capacity_bytes)
 
-    def open_store(self, quota_bytes: int) -> SessionStore:
-        seg = min(self._pool_config.segment_bytes, quota_bytes)
-        host = _swap.HostPool(_swap.HostPoolConfig(capacity_bytes=quota_bytes, segment_bytes=seg))
+    def open_store(self, quota_bytes: int, owner_uid: int) -> SessionStore:
+        """A store over ``quota_bytes`` (a whole number of segments) lent from the node pool."""
+        seg = self._pool.segment_bytes
+        segments = self._pool.take(quota_bytes // seg, owner_uid)
         try:
+            host = _swap.HostPool(_swap.HostPoolConfig(capacity_bytes=quota_bytes, segment_bytes=seg),
+                                  segments=segments)
             store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._engine)
         except BaseException:
-            host.close()
+            self._pool.give(segments, owner_uid)
             raise
 
         def close() -> None:
             try:
-                store.close()  # frees every region's extents in the shared space
+                store.close()  # frees every region's extents in the shared space, waits for its transfers
             finally:
                 host.close()
+                self._pool.give(segments, owner_uid)  # zeroed, kept for this uid ([Note: recycling segments])
 
         return SessionStore(store, list(host.segments), close)
+
+    @property
+    def segment_bytes(self) -> int:
+        return self._pool.segment_bytes
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self._engine.stats())
@@ -116,8 +129,12 @@ class SwapBackend:
                 "capacity_bytes": self._space.capacity_bytes}
 
     def close(self) -> None:
+        """Close the pool, the swap space (its files unlinked) and the engine. Idempotent."""
         try:
-            self._space.close()
+            if self._pool is not None:
+                self._pool.close()
+            if self._space is not None:
+                self._space.close()
         finally:
             self._engine.close()
 

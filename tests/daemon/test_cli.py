@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -53,13 +55,26 @@ def test_help_lists_the_subcommands():
     assert "daemon" in out and "status" in out
 
 
-def test_daemon_names_a_missing_socket_directory(tmp_path):
+def test_daemon_makes_a_missing_socket_directory_and_refuses_an_unsafe_one(tmp_path):
     config = tmp_path / "node.toml"
     config.write_text(f'[server]\nsocket_path = "{tmp_path}/absent/d.sock"\n[metrics]\naddress = ""\n')
     server = DaemonServer(load_config(config), FakeBackend(str(tmp_path), 1 << 20, 1 << 20))
-    with pytest.raises(ConfigError, match="absent does not exist"):
+
+    async def up_and_down() -> None:
+        await server.start()
+        assert stat.S_IMODE(os.stat(tmp_path / "absent").st_mode) == 0o755
+        assert stat.S_ISSOCK(os.stat(tmp_path / "absent" / "d.sock").st_mode)
+        await server.stop()
+    asyncio.run(up_and_down())
+    assert not (tmp_path / "absent" / "d.sock").exists()
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)  # anyone could put their own socket here
+    config.write_text(f'[server]\nsocket_path = "{open_dir}/d.sock"\n[metrics]\naddress = ""\n')
+    server = DaemonServer(load_config(config), FakeBackend(str(tmp_path), 1 << 20, 1 << 20))
+    with pytest.raises(ConfigError, match="writable by every user without the sticky bit"):
         asyncio.run(server.start())
-    server.backend.close()
 
 
 def test_a_taken_metrics_port_is_a_config_error():
