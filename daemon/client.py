@@ -276,9 +276,9 @@ class _TokenFile:
         if self.path is None:
             return ""
         try:
-            with open(self.path, encoding="ascii") as f:
-                return f.read().strip()
-        except (OSError, UnicodeDecodeError):
+            with open(self.path, "rb") as f:
+                return f.read(256).decode("utf-8", "replace").strip()
+        except OSError:
             return ""
 
     def write(self, token: str) -> None:
@@ -287,8 +287,10 @@ class _TokenFile:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w", encoding="ascii") as f:
-                f.write(token)
+            try:
+                os.write(fd, token.encode())
+            finally:
+                os.close(fd)
             os.replace(tmp, self.path)
         except OSError as exc:
             logger.warning("reattach token not kept in %s: %s", self.path, exc.strerror)

@@ -253,3 +253,23 @@ def test_a_real_client_gets_in_while_600_idle_connections_hold_a_512_fd_daemon(t
             s.close()
         proc.terminate()
         proc.wait(30)
+
+
+def test_an_idle_connection_is_closed_and_tierclient_reattaches_by_itself(daemon_factory, tmp_path):
+    d = daemon_factory(server={"idle_timeout_seconds": 1.0})
+    c = client(d, "sleepy", token_dir=str(tmp_path))
+    c.allocate("x", 4096)
+    c.host_view("x")[:] = b"z" * 4096
+    old = c._conn
+    deadline = time.monotonic() + 10
+    while not old.peer_closed():  # the daemon closes the connection once it has been idle for 1 s
+        assert time.monotonic() < deadline, "the idle connection was not closed"
+        time.sleep(0.1)
+    assert [s["state"] for s in d.status()["sessions"]] == ["detached"]
+    assert bytes(c.host_view("x")) == b"z" * 4096  # the mapping outlives the connection
+    c.mark_dirty("x")  # the next call reattaches, transparently
+    assert c._conn is not old and [s["state"] for s in d.status()["sessions"]] == ["attached"]
+    c.wait_for_evict(c.evict(["x"]), timeout_seconds=20)
+    c.wait_for_prefetch(c.prefetch(["x"]), timeout_seconds=20)
+    assert bytes(c.host_view("x")) == b"z" * 4096
+    c.close()
