@@ -121,7 +121,7 @@ class ServerConfig:
     bounds how many such connections there can be."""
     max_outstanding_requests: int = 256
     """Requests of one connection under way at once (waits, FLUSH, FREE, STATUS...); more get an error."""
-    frames_per_turn: int = 32
+    frames_per_turn: int = 8
     """Requests of one connection handled before every other connection gets its turn (request fairness)."""
     fd_limit: int = 65536
     """The daemon raises its open-file limit (RLIMIT_NOFILE) to this at start (at most the hard limit)."""
