@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from csrc.errors import ConfigError
 from daemon.config import PoolConfig
+from daemon.files import SwapClaim
 from daemon.pool import NodePool
 
 logger = logging.getLogger(__name__)
@@ -79,15 +80,17 @@ class SwapBackend:
         if not swap.get("paths"):
             raise ConfigError("[swap] paths must name at least one directory")
         swap["paths"] = [str(p) for p in swap["paths"]]
-        io = dict(io)
-        io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
         self._pool_config = pool
         self._store_config = _swap.TierStoreConfig(**dict(store))
-        swap_config = _swap.SwapSpaceConfig(**swap)
-        self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
-        self._space = self._pool = None
+        _swap.SwapSpaceConfig(**swap)  # its errors first, before anything is made
+        self._engine = self._space = self._pool = None
+        self._claim = SwapClaim(swap["paths"])  # [Note: swap file ownership]
         try:
-            self._space = _swap.SwapSpace(swap_config, engine=self._engine)
+            swap["paths"] = list(self._claim.dirs)
+            io = dict(io)
+            io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
+            self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
+            self._space = _swap.SwapSpace(_swap.SwapSpaceConfig(**swap), engine=self._engine)
             self._pool = NodePool(pool)
         except BaseException:
             self.close()
@@ -129,14 +132,18 @@ class SwapBackend:
                 "capacity_bytes": self._space.capacity_bytes}
 
     def close(self) -> None:
-        """Close the pool, the swap space (its files unlinked) and the engine. Idempotent."""
+        """Close the pool, the swap space (its files unlinked), the engine and the claim. Idempotent."""
         try:
             if self._pool is not None:
                 self._pool.close()
             if self._space is not None:
                 self._space.close()
         finally:
-            self._engine.close()
+            try:
+                if self._engine is not None:
+                    self._engine.close()
+            finally:
+                self._claim.close()
 
 
 def _plain(value: Any) -> Any:
