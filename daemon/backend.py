@@ -81,8 +81,12 @@ class SwapBackend:
             raise ConfigError("[swap] paths must name at least one directory")
         swap["paths"] = [str(p) for p in swap["paths"]]
         self._pool_config = pool
-        self._store_config = _swap.TierStoreConfig(**dict(store))
-        _swap.SwapSpaceConfig(**swap)  # its errors first, before anything is made
+        try:  # their errors first, before anything is made
+            self._store_config = _swap.TierStoreConfig(**dict(store))
+            _swap.SwapSpaceConfig(**swap)
+            _swap.IoEngineConfig(**dict(io))
+        except TypeError as exc:  # a missing or unknown key
+            raise ConfigError(f"[swap], [io] or [store]: {exc}") from None
         self._engine = self._space = self._pool = None
         self._claim = SwapClaim(swap["paths"])  # [Note: swap file ownership]
         try:

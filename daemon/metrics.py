@@ -206,6 +206,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         super().setup()
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server name
+        self.server.read_done(self.request)
         path = urllib.parse.urlsplit(self.path).path
         metrics = self.server.metrics
         if path == "/metrics":
@@ -230,7 +231,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class _BoundedHTTPServer(http.server.HTTPServer):
-    """[Note: bounded metrics server]: a thread per request, at most max_connections of them."""
+    """[Note: bounded metrics server]: a thread per request, at most max_connections of them.
+
+    When every slot is taken, the connection that has been sending its request the longest
+    is cut to make room (a scrape sends its request at once; a slow sender is the one to go),
+    so a handful of half-sent requests cannot lock Prometheus out."""
 
     daemon_threads = True
     request_queue_size = 64
@@ -239,14 +244,29 @@ class _BoundedHTTPServer(http.server.HTTPServer):
         self.metrics = metrics
         self.config = config
         self._slots = threading.BoundedSemaphore(config.max_connections)
+        self._reading: dict[socket.socket, float] = {}  # connections still sending their request, since when
+        self._lock = threading.Lock()
         self.refused_total = 0
         super().__init__(address, _Handler)
 
+    def read_done(self, request: socket.socket) -> None:
+        with self._lock:
+            self._reading.pop(request, None)
+
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.refused_total += 1
-            self.shutdown_request(request)
-            return
+            with self._lock:
+                slowest = min(self._reading, key=self._reading.__getitem__, default=None)
+                if slowest is not None:
+                    del self._reading[slowest]
+            if slowest is not None:
+                _cut(slowest)
+            if slowest is None or not self._slots.acquire(timeout=1.0):
+                self.refused_total += 1
+                self.shutdown_request(request)
+                return
+        with self._lock:
+            self._reading[request] = time.monotonic()
         threading.Thread(target=self._serve_one, args=(request, client_address), name="ofl-metrics-req",
                          daemon=True).start()
 
@@ -261,6 +281,7 @@ class _BoundedHTTPServer(http.server.HTTPServer):
             logger.debug("metrics request from %s ended: %s", client_address, exc)
         finally:
             timer.cancel()
+            self.read_done(request)
             self.shutdown_request(request)
             self._slots.release()
 

@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["DaemonServer", "run_daemon"]
 
 
-def _prepare_socket_dir(directory: str) -> None:
-    """Make the socket's directory (0755) if missing; refuse one in which others could swap the socket."""
+def _prepare_socket_dir(directory: str) -> bool:
+    """Make the socket's directory (0755) if missing (True: made); refuse one in which others could swap the socket."""
     try:
         st = os.stat(directory)
     except FileNotFoundError:
@@ -55,7 +55,7 @@ def _prepare_socket_dir(directory: str) -> None:
             raise ConfigError(f"[server] socket_path: directory {directory} does not exist and cannot be "
                               f"made ({exc.strerror})") from exc
         logger.info("made the socket directory %s (mode 0755)", directory)
-        return
+        return True
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"[server] socket_path: {directory} is not a directory")
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
@@ -64,6 +64,7 @@ def _prepare_socket_dir(directory: str) -> None:
     if st.st_uid not in (0, os.getuid()):
         raise ConfigError(f"[server] socket_path: directory {directory} belongs to uid {st.st_uid}, "
                           "neither this daemon's user nor root")
+    return False
 
 
 class DaemonServer:
@@ -92,6 +93,7 @@ class DaemonServer:
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this daemon bound
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._made_dir: str | None = None
 
     @property
     def socket_path(self) -> str:
@@ -145,11 +147,17 @@ class DaemonServer:
             await self._start()
         except BaseException:
             await self._close_parts(self.config.server.close_timeout_seconds)
+            if self._made_dir is not None:
+                try:
+                    os.rmdir(self._made_dir)  # only if empty: nothing of anyone else's goes
+                except OSError:
+                    pass
             raise
 
     async def _start(self) -> None:
         config = self.config
-        _prepare_socket_dir(os.path.dirname(os.path.abspath(self.socket_path)))
+        directory = os.path.dirname(os.path.abspath(self.socket_path))
+        self._made_dir = directory if _prepare_socket_dir(directory) else None
         self._clear_stale_socket()
         fd_limit = raise_fd_limit(config.server.fd_limit)
         if self.backend is None:
@@ -218,6 +226,7 @@ class DaemonServer:
 
     async def stop(self) -> bool:
         """Stop accepting, drain I/O, close every session and the backend; True if all of it finished in time."""
+        self.metrics.stopping = True  # /healthz says so from now on
         if self._server is not None:
             self._server.close()
         self._unlink_socket_if_ours()
