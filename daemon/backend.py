@@ -69,6 +69,25 @@ class _RegionInfo(NamedTuple):
     tier: str
 
 
+class _PoolRegisteredEngine:
+    """The shared engine as a session's store sees it: the node pool's segments are registered once
+    (by ``SwapBackend``), so a store's own register/unregister calls do nothing, and however many
+    sessions come and go, the engine's registered-buffer table holds only the pool's segments."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.submit = engine.submit  # the hot path: no proxy hop
+
+    def register_buffer(self, address: int, nbytes: int) -> None:
+        return None
+
+    def unregister_buffer(self, slot: int | None) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
 class SwapBackend:
     """The real thing: swap's HostPool/SwapSpace/engine/TierStore built from the daemon config."""
 
@@ -88,6 +107,8 @@ class SwapBackend:
         except TypeError as exc:  # a missing or unknown key
             raise ConfigError(f"[swap], [io] or [store]: {exc}") from None
         self._engine = self._space = self._pool = None
+        self._slots: dict[int, int | None] = {}  # pool segment index -> its registered-buffer slot
+        self._table_full = False
         self._claim = SwapClaim(swap["paths"])  # [Note: swap file ownership]
         try:
             swap["paths"] = list(self._claim.dirs)
@@ -95,10 +116,14 @@ class SwapBackend:
             io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
             self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
             self._space = _swap.SwapSpace(_swap.SwapSpaceConfig(**swap), engine=self._engine)
-            self._pool = NodePool(pool)
+            self._pool = NodePool(pool, on_made=self._register, on_dropped=self._unregister)
         except BaseException:
             self.close()
             raise
+        self._store_engine = _PoolRegisteredEngine(self._engine)
+        if self._engine.name == "io_uring":
+            logger.info("io_uring: %d of %d pool segment(s) registered once, for every session",
+                        sum(slot is not None for slot in self._slots.values()), len(self._slots))
         self.engine_name = str(self._engine.name)
         logger.info("swap: engine %s, %d file(s), %d bytes", self.engine_name, len(self._space.files),
                     self._space.capacity_bytes)
@@ -110,7 +135,7 @@ class SwapBackend:
         try:
             host = _swap.HostPool(_swap.HostPoolConfig(capacity_bytes=quota_bytes, segment_bytes=seg),
                                   segments=segments)
-            store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._engine)
+            store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._store_engine)
         except BaseException:
             self._pool.give(segments, owner_uid)
             raise
@@ -128,6 +153,20 @@ class SwapBackend:
     def segment_bytes(self) -> int:
         return self._pool.segment_bytes
 
+    def _register(self, seg: Any) -> None:
+        """A new pool segment: pin it for io_uring once (when the engine's table is full, it goes unregistered)."""
+        slot = None
+        if not self._table_full:
+            slot = self._engine.register_buffer(seg.address, seg.nbytes)  # None where the engine has no table
+            self._table_full = slot is None and self._engine.name == "io_uring"
+        self._slots[seg.index] = slot
+
+    def _unregister(self, seg: Any) -> None:
+        slot = self._slots.pop(seg.index, None)
+        if slot is not None:
+            self._engine.unregister_buffer(slot)
+            self._table_full = False
+
     def engine_stats(self) -> dict[str, Any]:
         return dict(self._engine.stats())
 
@@ -139,7 +178,7 @@ class SwapBackend:
         """Close the pool, the swap space (its files unlinked), the engine and the claim. Idempotent."""
         try:
             if self._pool is not None:
-                self._pool.close()
+                self._pool.close()  # unregisters each segment before it goes
             if self._space is not None:
                 self._space.close()
         finally:

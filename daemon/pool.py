@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any, Callable
 
 from csrc.errors import ConfigError
 from daemon.config import PoolConfig
@@ -69,9 +70,14 @@ def available_memory_bytes() -> tuple[int, str]:
 class NodePool:
     """Segments made once at start and lent to sessions; see the module docstring."""
 
-    def __init__(self, config: PoolConfig, name: str = "ofl-pool") -> None:
+    def __init__(self, config: PoolConfig, name: str = "ofl-pool", on_made: Callable[[Any], None] | None = None,
+                 on_dropped: Callable[[Any], None] | None = None) -> None:
+        """``on_made(segment)`` runs for every segment made (at start, and when one is replaced),
+        ``on_dropped(segment)`` before one is closed: the backend registers them with its engine."""
         from swap.buffers import HostSegment, resolve_huge_pages
 
+        self._on_made = on_made or (lambda seg: None)
+        self._on_dropped = on_dropped or (lambda seg: None)
         self._segment_cls = HostSegment
         self.segment_bytes = config.segment_bytes
         self.count = config.capacity_bytes // config.segment_bytes
@@ -110,10 +116,17 @@ class NodePool:
 
     def _make(self, index: int):
         try:
-            return self._segment_cls(index, self.segment_bytes, self._name, True, self.huge)
+            seg = self._segment_cls(index, self.segment_bytes, self._name, True, self.huge)
         except OSError as exc:
             raise ConfigError(f"[pool] cannot make segment {index} of {self.segment_bytes} bytes "
                               f"(huge pages {self.huge}): {exc.strerror or exc}") from exc
+        self._on_made(seg)
+        return seg
+
+    def _drop(self, seg: Any) -> None:
+        self._on_dropped(seg)
+        seg.release_pages()
+        seg.close()
 
     @property
     def free_segments(self) -> int:
@@ -140,13 +153,11 @@ class NodePool:
         try:
             while foreign:
                 seg = foreign.pop()
-                seg.release_pages()
-                seg.close()
+                self._drop(seg)
                 made.append(self._make(seg.index))
         except BaseException:
-            for seg in foreign:  # not yet replaced: closed, and made again as fresh ones below
-                seg.release_pages()
-                seg.close()
+            for seg in foreign:  # not yet replaced: closed
+                self._drop(seg)
             with self._lock:
                 self._fresh.extend(made)
                 self._by_uid.setdefault(uid, []).extend(got)
@@ -164,7 +175,7 @@ class NodePool:
         with self._lock:
             if self._closed:
                 for seg in segments:
-                    seg.close()
+                    self._drop(seg)
                 return
             self._by_uid.setdefault(uid, []).extend(segments)
 
@@ -175,4 +186,4 @@ class NodePool:
             segments = self._fresh + [s for segs in self._by_uid.values() for s in segs]
             self._fresh, self._by_uid = [], {}
         for seg in segments:
-            seg.close()
+            self._drop(seg)

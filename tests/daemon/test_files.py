@@ -93,9 +93,9 @@ def test_a_failed_start_leaves_nothing_behind(daemon_factory, swap_dir, tmp_path
 
 
 def test_a_stopping_daemon_leaves_its_successors_socket_alone(daemon_factory):
-    old = daemon_factory(slow=True, pool={"segment_bytes": 32 * MiB})
-    c = TierClient(TierClientConfig(socket_path=old.socket_path, job_id="draining", quota_bytes=32 * MiB))
-    c.allocate("x", 32 * MiB)
+    old = daemon_factory(slow=True, pool={"segment_bytes": 8 * MiB})
+    c = TierClient(TierClientConfig(socket_path=old.socket_path, job_id="draining", quota_bytes=8 * MiB))
+    c.allocate("x", 8 * MiB)
     c.wait_for_evict(c.evict(["x"]), timeout_seconds=60)
     c.prefetch(["x"])  # slow: the old daemon drains for a while
     old.proc.send_signal(signal.SIGTERM)

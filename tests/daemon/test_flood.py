@@ -151,3 +151,25 @@ def test_a_status_flood_leaves_transfers_alone_and_shutdown_bounded(daemon_facto
     assert code in (0, 1), code
     c.detach()
     heavy.detach()
+
+
+def test_a_thousand_sessions_attach_in_flat_time_without_filling_the_buffer_table(daemon_factory):
+    n = 1000
+    d = daemon_factory(pool={"capacity_bytes": n * 64 * 1024, "segment_bytes": 64 * 1024},
+                       sessions={"default_quota_bytes": 64 * 1024, "max_sessions": n, "max_sessions_per_uid": n},
+                       server={"max_connections_per_uid": n + 8, "max_connections": n + 64})
+    clients, took = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        clients.append(TierClient(TierClientConfig(socket_path=d.socket_path, job_id="many", rank=i,
+                                                   timeout_seconds=30)))
+        took.append(time.perf_counter() - t0)
+    first, last = statistics.median(took[:100]), statistics.median(took[-100:])
+    assert last < 3 * first + 0.002, (first, last)  # no walk over every session per attach
+    c = clients[-1]
+    c.allocate("x", 4096)
+    c.wait_for_evict(c.evict(["x"]), timeout_seconds=20)
+    c.wait_for_prefetch(c.prefetch(["x"]), timeout_seconds=20)
+    assert d.log().count("cannot register a buffer") <= 1  # at most the pool's own overflow, once at start
+    for c in clients:
+        c.detach()
