@@ -38,12 +38,10 @@ from __future__ import annotations
 
 import builtins
 import errno as errno_mod
-import hashlib
 import itertools
 import logging
 import os
 import socket
-import stat
 import struct
 import threading
 import time
@@ -55,6 +53,7 @@ from csrc.errors import ConfigError, DaemonNotRunningError, OffloadError, Protoc
 from daemon.backend import region_from_wire, stats_from_wire
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Frame, Kind, decode_body, encode_frame
 from daemon.shm import SegmentMap, recv_with_fds
+from daemon.tokens import TokenFile
 
 logger = logging.getLogger(__name__)
 
@@ -240,69 +239,6 @@ class DaemonConnection:
         self._sock.close()
 
 
-def _token_dir(configured: str | None) -> str | None:
-    """The token directory of this uid, made 0700, or None when it is not safe to use."""
-    uid = os.getuid()
-    if configured:
-        path = configured
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = os.path.join(os.environ["XDG_RUNTIME_DIR"], "offload")
-    elif os.path.isdir(f"/run/user/{uid}"):
-        path = f"/run/user/{uid}/offload"
-    else:
-        path = f"/tmp/offload-{uid}"
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as exc:
-        logger.warning("reattach tokens not kept: cannot make %s (%s)", path, exc.strerror)
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
-        logger.warning("reattach tokens not kept: %s is not a directory of uid %d closed to others", path, uid)
-        return None
-    return path
-
-
-class _TokenFile:
-    """Where one session's reattach token is kept ([Note: reattach token])."""
-
-    def __init__(self, config: "TierClientConfig") -> None:
-        directory = _token_dir(config.token_dir)
-        key = f"{os.path.abspath(config.socket_path)}\0{config.job_id}\0{config.rank}".encode()
-        self.path = None if directory is None else \
-            os.path.join(directory, hashlib.sha256(key).hexdigest()[:32] + ".token")
-
-    def read(self) -> str:
-        if self.path is None:
-            return ""
-        try:
-            with open(self.path, "rb") as f:
-                return f.read(256).decode("utf-8", "replace").strip()
-        except OSError:
-            return ""
-
-    def write(self, token: str) -> None:
-        if self.path is None:
-            return
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            try:
-                os.write(fd, token.encode())
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            logger.warning("reattach token not kept in %s: %s", self.path, exc.strerror)
-
-    def remove(self) -> None:
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-
 def daemon_status(socket_path: str, timeout_seconds: float = 10.0) -> dict[str, Any]:
     """The daemon's STATUS reply (what ``offload status`` prints); no session needed."""
     conn = DaemonConnection(socket_path, timeout_seconds)
@@ -361,7 +297,7 @@ class TierClient:
 
     def __init__(self, config: TierClientConfig) -> None:
         self.config = config
-        self._token_file = _TokenFile(config)
+        self._token_file = TokenFile(config.socket_path, config.job_id, config.rank, config.token_dir)
         self._conn, reply, fds = self._hello(config.reattach_token or self._token_file.read())
         try:
             self._segments = SegmentMap(fds, [s["nbytes"] for s in reply["segments"]])

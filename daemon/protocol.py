@@ -69,7 +69,7 @@ PING 13          {} -> {}
 STATUS 14        {} -> version, engine, metrics_address, uptime_seconds, pool {capacity_bytes,
                  used_bytes (quotas reserved), held_bytes (host bytes the sessions' regions hold)},
                  swap {used_bytes, capacity_bytes}, bytes_moved {read, write}, bytes_per_second
-                 {read, write}, queued, inflight, sessions [{job_id, rank, uid, state, quota_bytes,
+                 {read, write}, queued, inflight, inflight_bytes, sessions [{job_id, rank, uid, state, quota_bytes,
                  stats, regions_by_tier}] (only the asker's uid's sessions, unless it is root)
 BYE 15           {} -> {}; the session is closed now (memory and extents freed)
 PLACEMENTS 16    name -> placements [[file_index, file_offset, region_offset, nbytes]]

@@ -21,13 +21,19 @@ def _hold(path: str, seconds: float, ready) -> None:
     time.sleep(seconds)
 
 
-def test_apt_wait_waits_for_a_held_lock_and_says_who_holds_it(tmp_path):
-    lock = tmp_path / "lock-frontend"
+def held(lock: Path, seconds: float) -> mp.Process:
+    """A process holding a POSIX lock on ``lock`` for ``seconds`` (started, lock taken)."""
     lock.write_text("")
     ready = mp.Event()
-    holder = mp.Process(target=_hold, args=(str(lock), 2.0, ready))
+    holder = mp.Process(target=_hold, args=(str(lock), seconds, ready))
     holder.start()
     assert ready.wait(10)
+    return holder
+
+
+def test_apt_wait_waits_for_a_held_lock_and_says_who_holds_it(tmp_path):
+    lock = tmp_path / "lock-frontend"
+    holder = held(lock, 2.0)
     t0 = time.monotonic()
     out = subprocess.run(["bash", str(REPO / "tools/apt-wait.sh")], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "OFL_APT_LOCKS": f"{tmp_path}/absent {lock}"})
@@ -43,11 +49,7 @@ def test_apt_wait_waits_for_a_held_lock_and_says_who_holds_it(tmp_path):
 
 def test_apt_wait_gives_up_after_its_timeout_naming_the_lock(tmp_path):
     lock = tmp_path / "lock"
-    lock.write_text("")
-    ready = mp.Event()
-    holder = mp.Process(target=_hold, args=(str(lock), 10.0, ready))
-    holder.start()
-    assert ready.wait(10)
+    holder = held(lock, 10.0)
     out = subprocess.run(["bash", str(REPO / "tools/apt-wait.sh")], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "OFL_APT_LOCKS": str(lock), "OFL_APT_LOCK_TIMEOUT": "1"})
     holder.kill()

@@ -7,16 +7,15 @@ import resource
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from csrc.errors import ConfigError, ProtocolError, QuotaExceededError
+from csrc.errors import ConfigError, QuotaExceededError
 from daemon.client import DaemonConnection, TierClient, TierClientConfig
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Kind, encode_frame
-from tests.daemon.conftest import REPO, start_daemon, write_config
+from tests.daemon.conftest import REPO, write_config
 
 MiB = 1 << 20
 
@@ -33,6 +32,17 @@ def hello(conn: DaemonConnection, job: str, quota: int, rank: int = 0) -> dict:
     return reply
 
 
+def raw_sockets(path: str, n: int) -> list[socket.socket]:
+    """``n`` plain connections to the daemon that have said nothing yet."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(30)
+        s.connect(path)
+        socks.append(s)
+    return socks
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -42,12 +52,7 @@ def rss_bytes(pid: int) -> int:
 
 def test_a_negative_quota_raced_against_whole_pool_hellos_cannot_over_commit(daemon_factory):
     d = daemon_factory(pool={"capacity_bytes": 64 * MiB, "segment_bytes": 4 * MiB})
-    socks = []
-    for _ in range(4):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(30)
-        s.connect(d.socket_path)
-        socks.append(s)
+    socks = raw_sockets(d.socket_path, 4)
     quotas = [-(1 << 40), 64 * MiB, 64 * MiB, 64 * MiB]
     frames = [encode_frame(Kind.HELLO, 1, {"version": PROTOCOL_VERSION, "job_id": f"race{i}", "rank": 0,
                                            "quota_bytes": q}) for i, q in enumerate(quotas)]
@@ -120,6 +125,22 @@ def test_five_thousand_regions_with_long_names_are_refused_and_cost_no_memory(da
     conn.close()
 
 
+def evict_until_refused(c: TierClient, names: list[str], limit: str):
+    """Evict each of ``names`` (one handle each, none waited for) until refused naming ``limit``; other
+    refusals (a queue still full) are waited out. Returns (handles, the refusal or None)."""
+    handles, deadline = [], time.monotonic() + 60
+    for name in names:
+        while True:
+            try:
+                handles.append(c.evict([name]))
+                break
+            except QuotaExceededError as exc:
+                if limit in str(exc) or time.monotonic() > deadline:
+                    return handles, exc if limit in str(exc) else None
+                time.sleep(0.2)
+    return handles, None
+
+
 def test_per_session_caps_name_their_keys(daemon_factory):
     d = daemon_factory(slow=True, sessions={"max_regions_per_session": 8, "max_queued_transfers_per_session": 3,
                                             "max_unwaited_handles_per_session": 6, "max_sessions_per_uid": 2},
@@ -132,28 +153,13 @@ def test_per_session_caps_name_their_keys(daemon_factory):
     c.free("r7")
     c.allocate("r7", MiB)  # freeing gives the slot back
     # Queued transfers: the slow engine (4 KiB per write, one at a time) keeps two running while the rest queue.
-    handles, refused = [], None
-    for i in range(6):
-        try:
-            handles.append(c.evict([f"r{i}"]))
-        except QuotaExceededError as exc:
-            refused = exc
-            break
-    assert refused is not None and "max_queued_transfers_per_session = 3" in str(refused), (refused, len(handles))
+    handles, refused = evict_until_refused(c, [f"r{i}" for i in range(6)], "max_queued_transfers_per_session = 3")
+    assert refused is not None, len(handles)
     for h in handles:
         c.wait_for_evict(h, timeout_seconds=60)
     # Unwaited handles: clean regions queue nothing long, but each handle counts until waited for.
-    got, refused = [], None
-    for i in range(10):
-        try:
-            got.append(c.evict([f"r{i % 8}"]))
-        except QuotaExceededError as exc:
-            refused = exc
-            if "max_queued_transfers" in str(exc):
-                time.sleep(0.2)
-                continue
-            break
-    assert refused is not None and "max_unwaited_handles_per_session = 6" in str(refused)
+    got, refused = evict_until_refused(c, [f"r{i % 8}" for i in range(10)], "max_unwaited_handles_per_session = 6")
+    assert refused is not None, len(got)
     for h in got:
         c.wait_for_evict(h, timeout_seconds=60)
     c.evict(["r0"])  # room again once waited for
@@ -187,12 +193,7 @@ def test_outstanding_requests_per_connection_are_capped(daemon_factory):
 
 def test_idle_connections_without_a_session_are_closed_or_make_room(daemon_factory):
     d = daemon_factory(server={"hello_timeout_seconds": 1.0, "max_connections_per_uid": 4})
-    idle = []
-    for _ in range(4):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(10)
-        s.connect(d.socket_path)
-        idle.append(s)
+    idle = raw_sockets(d.socket_path, 4)
     c = client(d, "real")  # the fifth connection of this uid: the oldest idle one makes room
     assert b"max_connections_per_uid = 4" in idle[0].recv(4096)
     t0 = time.monotonic()

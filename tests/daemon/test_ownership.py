@@ -91,9 +91,9 @@ def peek_other(socket_path: str, job: str, token: str) -> dict:
 
 def token_of(d, uid: int) -> str:
     """The token uid's TierClient kept for job "job" (root reads it where that uid's client put it)."""
-    from daemon.client import _TokenFile
+    from daemon.tokens import TokenFile
 
-    mine = _TokenFile(TierClientConfig(socket_path=d.socket_path, job_id="job", token_dir=d.workdir + "/tokens"))
+    mine = TokenFile(d.socket_path, "job", 0, d.workdir + "/tokens")
     path = os.path.join(f"/tmp/offload-{uid}", os.path.basename(mine.path))
     assert oct(os.stat(path).st_mode & 0o777) == "0o600" and os.stat(os.path.dirname(path)).st_uid == uid
     with open(path) as f:
