@@ -1,11 +1,12 @@
 """The store-facing side of the daemon: build the swap objects, and carry their values on the wire.
 
 The daemon serves the swap package's ``TierStore``: one ``SwapSpace`` and one I/O
-engine shared by every session, and per session its own ``HostPool`` (memfd
-segments, sized by the session's quota) under its own ``TierStore``. ``SwapBackend``
-builds them from the daemon's config. Anything with the same members can stand in
-for it (the tests use a test double where the swap package is absent):
-``engine_name``, ``open_store(quota_bytes) -> SessionStore``, ``engine_stats()``,
+engine shared by every session, one ``NodePool`` of memfd segments made at start
+(``daemon.pool``), and per session a ``HostPool`` over segments lent from it (sized
+by the session's quota) under its own ``TierStore``. ``SwapBackend`` builds them from
+the daemon's config. Anything with the same members can stand in for it (the tests
+use a test double where the swap package is absent): ``engine_name``,
+``open_store(quota_bytes, owner_uid) -> SessionStore``, ``engine_stats()``,
 ``space_info()``, ``close()``.
 
 ``region_to_wire`` / ``region_from_wire`` and ``stats_to_wire`` / ``stats_from_wire``
@@ -21,6 +22,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from csrc.errors import ConfigError
 from daemon.config import PoolConfig
+from daemon.files import SwapClaim
+from daemon.pool import NodePool
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class SessionStore(NamedTuple):
 class StoreBackend(Protocol):
     engine_name: str
 
-    def open_store(self, quota_bytes: int) -> SessionStore: ...
+    def open_store(self, quota_bytes: int, owner_uid: int) -> SessionStore: ...
 
     def engine_stats(self) -> dict[str, Any]: ...
 
@@ -66,6 +69,25 @@ class _RegionInfo(NamedTuple):
     tier: str
 
 
+class _PoolRegisteredEngine:
+    """The shared engine as a session's store sees it: the node pool's segments are registered once
+    (by ``SwapBackend``), so a store's own register/unregister calls do nothing, and however many
+    sessions come and go, the engine's registered-buffer table holds only the pool's segments."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.submit = engine.submit  # the hot path: no proxy hop
+
+    def register_buffer(self, address: int, nbytes: int) -> None:
+        return None
+
+    def unregister_buffer(self, slot: int | None) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
 class SwapBackend:
     """The real thing: swap's HostPool/SwapSpace/engine/TierStore built from the daemon config."""
 
@@ -77,36 +99,73 @@ class SwapBackend:
         if not swap.get("paths"):
             raise ConfigError("[swap] paths must name at least one directory")
         swap["paths"] = [str(p) for p in swap["paths"]]
-        io = dict(io)
-        io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
         self._pool_config = pool
-        self._store_config = _swap.TierStoreConfig(**dict(store))
-        self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
+        try:  # their errors first, before anything is made
+            self._store_config = _swap.TierStoreConfig(**dict(store))
+            _swap.SwapSpaceConfig(**swap)
+            _swap.IoEngineConfig(**dict(io))
+        except TypeError as exc:  # a missing or unknown key
+            raise ConfigError(f"[swap], [io] or [store]: {exc}") from None
+        self._engine = self._space = self._pool = None
+        self._slots: dict[int, int | None] = {}  # pool segment index -> its registered-buffer slot
+        self._table_full = False
+        self._claim = SwapClaim(swap["paths"])  # [Note: swap file ownership]
         try:
+            swap["paths"] = list(self._claim.dirs)
+            io = dict(io)
+            io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
+            self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
             self._space = _swap.SwapSpace(_swap.SwapSpaceConfig(**swap), engine=self._engine)
+            self._pool = NodePool(pool, on_made=self._register, on_dropped=self._unregister)
         except BaseException:
-            self._engine.close()
+            self.close()
             raise
+        self._store_engine = _PoolRegisteredEngine(self._engine)
+        if self._engine.name == "io_uring":
+            logger.info("io_uring: %d of %d pool segment(s) registered once, for every session",
+                        sum(slot is not None for slot in self._slots.values()), len(self._slots))
         self.engine_name = str(self._engine.name)
         logger.info("swap: engine %s, %d file(s), %d bytes", self.engine_name, len(self._space.files),
                     self._space.capacity_bytes)
 
-    def open_store(self, quota_bytes: int) -> SessionStore:
-        seg = min(self._pool_config.segment_bytes, quota_bytes)
-        host = _swap.HostPool(_swap.HostPoolConfig(capacity_bytes=quota_bytes, segment_bytes=seg))
+    def open_store(self, quota_bytes: int, owner_uid: int) -> SessionStore:
+        """A store over ``quota_bytes`` (a whole number of segments) lent from the node pool."""
+        seg = self._pool.segment_bytes
+        segments = self._pool.take(quota_bytes // seg, owner_uid)
         try:
-            store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._engine)
+            host = _swap.HostPool(_swap.HostPoolConfig(capacity_bytes=quota_bytes, segment_bytes=seg),
+                                  segments=segments)
+            store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._store_engine)
         except BaseException:
-            host.close()
+            self._pool.give(segments, owner_uid)
             raise
 
         def close() -> None:
             try:
-                store.close()  # frees every region's extents in the shared space
+                store.close()  # frees every region's extents in the shared space, waits for its transfers
             finally:
                 host.close()
+                self._pool.give(segments, owner_uid)  # zeroed, kept for this uid ([Note: recycling segments])
 
         return SessionStore(store, list(host.segments), close)
+
+    @property
+    def segment_bytes(self) -> int:
+        return self._pool.segment_bytes
+
+    def _register(self, seg: Any) -> None:
+        """A new pool segment: pin it for io_uring once (when the engine's table is full, it goes unregistered)."""
+        slot = None
+        if not self._table_full:
+            slot = self._engine.register_buffer(seg.address, seg.nbytes)  # None where the engine has no table
+            self._table_full = slot is None and self._engine.name == "io_uring"
+        self._slots[seg.index] = slot
+
+    def _unregister(self, seg: Any) -> None:
+        slot = self._slots.pop(seg.index, None)
+        if slot is not None:
+            self._engine.unregister_buffer(slot)
+            self._table_full = False
 
     def engine_stats(self) -> dict[str, Any]:
         return dict(self._engine.stats())
@@ -116,10 +175,18 @@ class SwapBackend:
                 "capacity_bytes": self._space.capacity_bytes}
 
     def close(self) -> None:
+        """Close the pool, the swap space (its files unlinked), the engine and the claim. Idempotent."""
         try:
-            self._space.close()
+            if self._pool is not None:
+                self._pool.close()  # unregisters each segment before it goes
+            if self._space is not None:
+                self._space.close()
         finally:
-            self._engine.close()
+            try:
+                if self._engine is not None:
+                    self._engine.close()
+            finally:
+                self._claim.close()
 
 
 def _plain(value: Any) -> Any:

@@ -19,6 +19,20 @@ the call.
 store's ``close`` does); ``detach()`` only drops the connection, and the daemon keeps
 the session for its grace period so that a new ``TierClient`` with the same job id and
 rank gets it back.
+
+[Note: reattach token] Only the uid that opened a session may reattach to it, and only
+with the token of the session's last HELLO reply (see [Note: session ownership] in
+``daemon.sessions``). ``TierClient`` handles the token by itself: it keeps it in a file
+of its own uid, ``<token_dir>/<hash of socket path, job id, rank>.token`` (mode 0600),
+written at every HELLO and removed by ``close()``; a new ``TierClient`` for the same
+job id and rank (this process or a restarted one) reads it. ``token_dir`` defaults to
+``$XDG_RUNTIME_DIR/offload``, else ``/run/user/<uid>/offload``, else
+``/tmp/offload-<uid>``; it is made with mode 0700 and used only if it belongs to this
+uid and no one else can read it. ``TierClientConfig.reattach_token`` overrides the file.
+
+A connection the daemon refuses or closes at one of its connection caps is retried
+until ``timeout_seconds`` have passed; a connection the daemon closed after its idle
+timeout is reopened and the session reattached at the next call.
 """
 from __future__ import annotations
 
@@ -26,6 +40,7 @@ import builtins
 import errno as errno_mod
 import itertools
 import logging
+import os
 import socket
 import struct
 import threading
@@ -34,10 +49,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
 import csrc.errors as errors
-from csrc.errors import ConfigError, DaemonNotRunningError, OffloadError, ProtocolError
+from csrc.errors import ConfigError, DaemonNotRunningError, OffloadError, ProtocolError, SessionError
 from daemon.backend import region_from_wire, stats_from_wire
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Frame, Kind, decode_body, encode_frame
 from daemon.shm import SegmentMap, recv_with_fds
+from daemon.tokens import TokenFile
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +80,10 @@ class TierClientConfig:
     """Longest wait for a reply (waits with their own timeout add it to this)."""
     spin_seconds: float = 50e-6
     """How long to poll for the reply to a small request before sleeping; 0 never polls."""
+    reattach_token: str = ""
+    """The token to reattach with; empty: the one kept in token_dir (see [Note: reattach token])."""
+    token_dir: str | None = None
+    """Where reattach tokens are kept; None: the runtime directory of this uid (see the note)."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.quota_bytes < 0 or self.timeout_seconds <= 0 or not 0 <= self.spin_seconds < 0.01:
@@ -106,17 +126,29 @@ class DaemonConnection:
         self.spin_seconds = spin_seconds
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout_seconds)
-        try:
-            self._sock.connect(socket_path)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            self._sock.close()
-            raise DaemonNotRunningError(f"no offload daemon on {socket_path} ({exc.strerror})") from None
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            try:
+                self._sock.connect(socket_path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                self._sock.close()
+                raise DaemonNotRunningError(f"no offload daemon on {socket_path} ({exc.strerror})") from None
+            except BlockingIOError:  # the listen backlog is full: the daemon is busy accepting
+                if time.monotonic() > deadline:
+                    self._sock.close()
+                    raise TimeoutError(f"the daemon on {socket_path} accepted no connection within "
+                                       f"{timeout_seconds} s") from None
+                time.sleep(0.01)
         self._sock.settimeout(None)
         self._rcvtimeo: float | None = -1.0
         self._buf = bytearray()
         self._fds: list[int] = []
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self.refused = False
+        """True once the daemon closed this connection at one of its caps (an error frame for request 0)."""
+        self.last_used = time.monotonic()
 
     def _set_timeout(self, seconds: float | None) -> None:
         if seconds == self._rcvtimeo:
@@ -146,6 +178,11 @@ class DaemonConnection:
                     raise DaemonNotRunningError("this connection to the daemon is closed") from None
                 raise
             fds, self._fds = self._fds, []
+            self.last_used = time.monotonic()
+        if frame.request_id == 0 and frame.flags & _ERROR:  # the daemon closed the connection, and says why
+            self.refused = True
+            self._sock.close()
+            raise _error_from_reply(decode_body(frame))
         if frame.request_id != request_id:
             raise ProtocolError(f"reply to request {frame.request_id}, expected {request_id}")
         if frame.flags & _ERROR:
@@ -188,6 +225,15 @@ class DaemonConnection:
                 if len(data) == HEADER.size + nbytes:
                     return Frame(kind, flags, request_id, data[HEADER.size:])
             buf += data
+
+    def peer_closed(self) -> bool:
+        """True when the daemon has closed this connection (checked without blocking or reading)."""
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def close(self) -> None:
         self._sock.close()
@@ -235,15 +281,15 @@ class _SpaceView(NamedTuple):
 
 
 class _EngineView:
-    def __init__(self, conn: DaemonConnection) -> None:
-        self._conn = conn
+    def __init__(self, client: "TierClient") -> None:
+        self._client = client
 
     @property
     def name(self) -> str:
-        return self._conn.request(Kind.ENGINE)[0]["name"]
+        return self._client._request(Kind.ENGINE)["name"]
 
     def stats(self) -> dict[str, Any]:
-        return self._conn.request(Kind.ENGINE)[0]["stats"]
+        return self._client._request(Kind.ENGINE)["stats"]
 
 
 class TierClient:
@@ -251,10 +297,9 @@ class TierClient:
 
     def __init__(self, config: TierClientConfig) -> None:
         self.config = config
-        self._conn = DaemonConnection(config.socket_path, config.timeout_seconds, config.spin_seconds)
+        self._token_file = TokenFile(config.socket_path, config.job_id, config.rank, config.token_dir)
+        self._conn, reply, fds = self._hello(config.reattach_token or self._token_file.read())
         try:
-            reply, fds = self._conn.request(Kind.HELLO, {"version": PROTOCOL_VERSION, "job_id": config.job_id,
-                                                         "rank": config.rank, "quota_bytes": config.quota_bytes})
             self._segments = SegmentMap(fds, [s["nbytes"] for s in reply["segments"]])
         except BaseException:
             self._conn.close()
@@ -262,36 +307,83 @@ class TierClient:
         self.session_id: int = reply["session_id"]
         self.reattached: bool = reply["reattached"]
         self.quota_bytes: int = reply["quota_bytes"]
+        self._idle_check_seconds = float(reply.get("idle_timeout_seconds") or 0) / 2
         self._regions: dict[str, Any] = {}  # placements of host copies, asked for when first viewed
         self._stale: set[str] = set()
         self._closed = False
 
+    def _hello(self, token: str) -> tuple[DaemonConnection, dict[str, Any], list[int]]:
+        """Connect and HELLO, retrying while the daemon refuses the connection at a cap."""
+        config = self.config
+        body = {"version": PROTOCOL_VERSION, "job_id": config.job_id, "rank": config.rank,
+                "quota_bytes": config.quota_bytes}
+        if token:
+            body["token"] = token
+        deadline = time.monotonic() + config.timeout_seconds
+        pause = 0.05
+        while True:
+            conn = DaemonConnection(config.socket_path, config.timeout_seconds, config.spin_seconds)
+            try:
+                reply, fds = conn.request(Kind.HELLO, body)
+                break
+            except (OffloadError, OSError) as exc:
+                conn.close()
+                refused = conn.refused or isinstance(exc, DaemonNotRunningError)  # closed before its HELLO reply
+                if not refused or time.monotonic() + pause > deadline:
+                    raise
+                logger.info("the daemon refused the connection (%s); trying again", exc)
+                time.sleep(pause)
+                pause = min(1.0, pause * 2)
+        self._token_file.write(reply.get("token", ""))
+        return conn, reply, fds
+
+    def _request(self, kind: Kind, body: dict[str, Any] | None = None, wait_seconds: float | None = 0.0) -> dict[str, Any]:
+        if self._idle_check_seconds and time.monotonic() - self._conn.last_used > self._idle_check_seconds \
+                and self._conn.peer_closed():
+            self._reattach_after_idle()
+        return self._conn.request(kind, body, wait_seconds)[0]
+
+    def _reattach_after_idle(self) -> None:
+        """The daemon closed the idle connection: reattach to the session (same segments, still mapped)."""
+        self._conn.close()
+        token = self._token_file.read() or self.config.reattach_token
+        conn, reply, fds = self._hello(token)
+        for fd in fds:  # the segments are the ones mapped already
+            os.close(fd)
+        if not reply["reattached"] or reply["session_id"] != self.session_id:
+            conn.request(Kind.BYE, wait_seconds=None)
+            conn.close()
+            raise SessionError(f"session {self.session_id} was reclaimed while this client was idle "
+                               "(longer than the daemon's idle timeout and grace period)")
+        self._conn = conn
+        logger.info("reattached session %d after the daemon's idle timeout", self.session_id)
+
     # -- the TierStore verbs ----------------------------------------------------------
     def allocate(self, name: str, nbytes: int) -> Any:
-        info = region_from_wire(self._conn.request(Kind.ALLOCATE, {"name": name, "nbytes": nbytes})[0]["region"])
+        info = region_from_wire(self._request(Kind.ALLOCATE, {"name": name, "nbytes": nbytes})["region"])
         self._regions[name] = info
         self._stale.discard(name)
         return info
 
     def info(self, name: str) -> Any:
-        return region_from_wire(self._conn.request(Kind.REGION, {"name": name, "view": False})[0]["region"])
+        return region_from_wire(self._request(Kind.REGION, {"name": name, "view": False})["region"])
 
     def host_view(self, name: str) -> memoryview:
         """A writable view of the region's bytes in the daemon's shared memory (no copy)."""
         if name not in self._regions or name in self._stale:
             self._regions[name] = region_from_wire(
-                self._conn.request(Kind.REGION, {"name": name, "view": True})[0]["region"])
+                self._request(Kind.REGION, {"name": name, "view": True})["region"])
             self._stale.discard(name)
         info = self._regions[name]
         return self._segments.view(info.segment_index, info.offset, info.nbytes)
 
     def mark_dirty(self, name: str) -> None:
-        self._conn.request(Kind.MARK_DIRTY, {"name": name})
+        self._request(Kind.MARK_DIRTY, {"name": name})
 
     def prefetch(self, names: Iterable[str]) -> ClientHandle:
         names = list(names)
         self._stale.update(names)
-        return ClientHandle("prefetch", self._conn.request(Kind.PREFETCH, {"names": names})[0]["handle"], names)
+        return ClientHandle("prefetch", self._request(Kind.PREFETCH, {"names": names})["handle"], names)
 
     def wait_for_prefetch(self, handle: ClientHandle, timeout_seconds: float | None = None) -> None:
         self._wait(Kind.WAIT_PREFETCH, handle, timeout_seconds)
@@ -299,27 +391,27 @@ class TierClient:
     def evict(self, names: Iterable[str]) -> ClientHandle:
         names = list(names)
         self._stale.update(names)
-        return ClientHandle("evict", self._conn.request(Kind.EVICT, {"names": names})[0]["handle"], names)
+        return ClientHandle("evict", self._request(Kind.EVICT, {"names": names})["handle"], names)
 
     def wait_for_evict(self, handle: ClientHandle, timeout_seconds: float | None = None) -> None:
         self._wait(Kind.WAIT_EVICT, handle, timeout_seconds)
 
     def _wait(self, kind: Kind, handle: ClientHandle | int, timeout_seconds: float | None) -> None:
-        self._conn.request(kind, {"handle": _number(handle), "timeout_seconds": timeout_seconds},
-                           wait_seconds=timeout_seconds)
+        self._request(kind, {"handle": _number(handle), "timeout_seconds": timeout_seconds},
+                      wait_seconds=timeout_seconds)
         if isinstance(handle, ClientHandle):
             handle._waited = True
 
     def flush(self) -> None:
-        self._conn.request(Kind.FLUSH, wait_seconds=None)
+        self._request(Kind.FLUSH, wait_seconds=None)
 
     def free(self, name: str) -> None:
-        self._conn.request(Kind.FREE, {"name": name}, wait_seconds=None)
+        self._request(Kind.FREE, {"name": name}, wait_seconds=None)
         self._regions.pop(name, None)
         self._stale.discard(name)
 
     def stats(self) -> Any:
-        return stats_from_wire(self._conn.request(Kind.STATS)[0]["stats"])
+        return stats_from_wire(self._request(Kind.STATS)["stats"])
 
     def close(self) -> None:
         """End the session: the daemon frees its memory and extents now."""
@@ -327,13 +419,14 @@ class TierClient:
             return
         self._closed = True
         try:
-            self._conn.request(Kind.BYE, wait_seconds=None)
+            self._request(Kind.BYE, wait_seconds=None)
+            self._token_file.remove()
         finally:
             self._release()
 
     def placements(self, name: str) -> list[Any]:
         """Where the region lies in the swap files (``swap.Placement`` tuples)."""
-        rows = self._conn.request(Kind.PLACEMENTS, {"name": name})[0]["placements"]
+        rows = self._request(Kind.PLACEMENTS, {"name": name})["placements"]
         try:
             from swap import Placement
         except ImportError:
@@ -343,12 +436,12 @@ class TierClient:
     @property
     def engine(self) -> "_EngineView":
         """The daemon's I/O engine, read only: ``.name`` and ``.stats()`` (shared by all sessions)."""
-        return _EngineView(self._conn)
+        return _EngineView(self)
 
     @property
     def space(self) -> "_SpaceView":
         """The daemon's swap space, read only: ``.files[i].path``, ``.used_bytes``, ``.capacity_bytes``."""
-        reply = self._conn.request(Kind.SPACE)[0]
+        reply = self._request(Kind.SPACE)
         return _SpaceView([_SwapFileView(i, p) for i, p in enumerate(reply["files"])], reply["used_bytes"],
                           reply["capacity_bytes"])
 
@@ -361,10 +454,10 @@ class TierClient:
 
     def report_step(self, seconds: float) -> None:
         """Tell the daemon how long an optimizer step took (for its metrics)."""
-        self._conn.request(Kind.REPORT_STEP, {"seconds": float(seconds)})
+        self._request(Kind.REPORT_STEP, {"seconds": float(seconds)})
 
     def ping(self) -> None:
-        self._conn.request(Kind.PING)
+        self._request(Kind.PING)
 
     def _release(self) -> None:
         self._regions.clear()

@@ -12,14 +12,17 @@ win over the file.
 [server]
 socket_path = "/run/offload/daemon.sock"
 socket_mode = 0o660
+max_connections_per_uid = 256     # and hello_timeout_seconds, idle_timeout_seconds, fd_limit, ...
 
 [pool]
-capacity_bytes = 17179869184      # node-wide host memory the daemon may hand out
-segment_bytes = 268435456
+capacity_bytes = 17179869184      # node-wide host memory, made and faulted in once at start
+segment_bytes = 268435456         # a session's quota is a whole number of segments
+huge_pages = "auto"
 
 [sessions]
 default_quota_bytes = 4294967296
 reattach_grace_seconds = 60.0
+max_sessions_per_uid = 256        # and max_regions_per_session, max_region_name_bytes, ...
 
 [scheduler]
 max_inflight_jobs = 2
@@ -65,8 +68,27 @@ __all__ = [
 def _positive(obj: object, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
             raise ConfigError(f"{type(obj).__name__}.{name} must be a positive number, got {value!r}")
+
+
+def _integers(obj: object, lo: int, hi: int, *names: str) -> None:
+    """Each field named is an int in [lo, hi]."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise ConfigError(f"{type(obj).__name__}.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _seconds(obj: object, *names: str) -> None:
+    """Each field named is a finite number of seconds >= 0 (0 turns the timer off where the field says so)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1e9:
+            raise ConfigError(f"{type(obj).__name__}.{name} must be a number of seconds in [0, 1e9), got {value!r}")
+
+
+_MAX_BYTES = 1 << 53  # JSON numbers are exact up to here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,14 +105,45 @@ class ServerConfig:
     """Largest message body accepted; a larger length prefix closes the connection."""
     drain_timeout_seconds: float = 60.0
     """On SIGTERM, how long in-flight I/O may take to finish before the daemon exits anyway."""
+    close_timeout_seconds: float = 10.0
+    """After the drain, how long closing sessions and the swap space may take before the daemon exits anyway."""
+    max_connections: int = 4096
+    """Connections open at once over all uids (also kept below the fd limit; see fd_limit)."""
+    max_connections_per_uid: int = 256
+    """Connections one uid may hold open at once. At either cap, a new connection replaces the
+    oldest one that has no session and no request under way, or is refused naming the cap."""
+    hello_timeout_seconds: float = 10.0
+    """A connection that has opened no session this long after it connected is closed."""
+    idle_timeout_seconds: float = 0.0
+    """A connection with a session that sends nothing this long, with nothing under way, is closed: its
+    session is detached and kept for the grace period, and TierClient reattaches by itself at its next call
+    within it. 0 (the default): never; every session holds at least one pool segment, so the pool already
+    bounds how many such connections there can be."""
+    max_outstanding_requests: int = 256
+    """Requests of one connection under way at once (waits, FLUSH, FREE, STATUS...); more get an error."""
+    frames_per_turn: int = 8
+    """Requests of one connection handled before every other connection gets its turn (request fairness)."""
+    fd_limit: int = 65536
+    """The daemon raises its open-file limit (RLIMIT_NOFILE) to this at start (at most the hard limit)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "max_message_bytes", "drain_timeout_seconds")
+        _positive(self, "max_message_bytes", "drain_timeout_seconds", "close_timeout_seconds",
+                  "hello_timeout_seconds")
+        _seconds(self, "idle_timeout_seconds")
+        _integers(self, 4096, 1 << 30, "max_message_bytes")
+        _integers(self, 1, 1 << 20, "max_connections", "max_connections_per_uid", "max_outstanding_requests",
+                  "frames_per_turn")
+        _integers(self, 64, 1 << 24, "fd_limit")
         if not self.socket_path:
             raise ConfigError("ServerConfig.socket_path must not be empty")
-        if not 0 <= self.socket_mode <= 0o777:
+        if not isinstance(self.socket_mode, int) or not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"ServerConfig.socket_mode must be a file mode, got {self.socket_mode!r}")
+        if len(self.socket_path.encode()) > 107:
+            raise ConfigError(f"ServerConfig.socket_path is longer than a Unix socket path may be (107 bytes): "
+                              f"{self.socket_path!r}")
         object.__setattr__(self, "allowed_uids", tuple(int(u) for u in self.allowed_uids))
+        if any(not 0 <= u < 1 << 32 for u in self.allowed_uids):
+            raise ConfigError(f"ServerConfig.allowed_uids must be uids, got {self.allowed_uids!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,14 +151,20 @@ class PoolConfig:
     """Host memory: the node-wide budget that session pools are carved from."""
 
     capacity_bytes: int = 1 << 30
-    """Total host memory (memfd segments) the daemon hands out over all sessions."""
+    """Total host memory (memfd segments) the daemon makes at start and hands out over all sessions;
+    it must fit in the memory available at start."""
     segment_bytes: int = 64 << 20
     """Size of one memfd segment; a session's pool is a whole number of segments."""
+    huge_pages: str = "auto"
+    """"auto", "hugetlb", "thp" or "off": the page size of the segments (see swap.buffers' note)."""
 
     def __post_init__(self) -> None:
         _positive(self, "capacity_bytes", "segment_bytes")
+        _integers(self, 1, _MAX_BYTES, "capacity_bytes", "segment_bytes")
         if self.segment_bytes % 4096:
             raise ConfigError(f"PoolConfig.segment_bytes must be a multiple of 4096, got {self.segment_bytes}")
+        if self.huge_pages not in ("auto", "hugetlb", "thp", "off"):
+            raise ConfigError(f"PoolConfig.huge_pages must be auto, hugetlb, thp or off, got {self.huge_pages!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,11 +182,31 @@ class SessionConfig:
     once) or "wait" (the HELLO waits for other sessions to end, up to quota_wait_seconds)."""
     quota_wait_seconds: float = 60.0
     """With quota_policy "wait": how long a HELLO waits for room before QuotaExceededError."""
+    min_quota_bytes: int = 4096
+    """Smallest quota a HELLO may ask for (0 asks for default_quota_bytes)."""
+    max_sessions: int = 1024
+    """Sessions (attached or detached) over all uids."""
+    max_sessions_per_uid: int = 256
+    """Sessions (attached or detached) one uid may hold."""
+    max_regions_per_session: int = 65536
+    """Regions one session may hold at once."""
+    max_region_name_bytes: int = 256
+    """Longest region name (UTF-8 bytes)."""
+    max_queued_transfers_per_session: int = 256
+    """Prefetches, evicts and flushes of one session waiting in the scheduler at once."""
+    max_unwaited_handles_per_session: int = 4096
+    """Prefetch and evict handles of one session not yet waited for; more get an error until some are."""
 
     def __post_init__(self) -> None:
         _positive(self, "default_quota_bytes", "quota_wait_seconds")
-        if self.max_quota_bytes < 0 or self.reattach_grace_seconds < 0:
-            raise ConfigError("SessionConfig.max_quota_bytes and reattach_grace_seconds must be >= 0")
+        _seconds(self, "reattach_grace_seconds")
+        _integers(self, 0, _MAX_BYTES, "max_quota_bytes")
+        _integers(self, 1, _MAX_BYTES, "default_quota_bytes", "min_quota_bytes")
+        _integers(self, 1, 1 << 24, "max_sessions", "max_sessions_per_uid", "max_regions_per_session",
+                  "max_queued_transfers_per_session", "max_unwaited_handles_per_session")
+        _integers(self, 1, 4096, "max_region_name_bytes")
+        if self.max_quota_bytes and self.min_quota_bytes > self.max_quota_bytes:
+            raise ConfigError("SessionConfig.min_quota_bytes must not exceed max_quota_bytes")
         if self.quota_policy not in ("error", "wait"):
             raise ConfigError(f"SessionConfig.quota_policy must be 'error' or 'wait', got {self.quota_policy!r}")
 
@@ -145,6 +224,8 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_inflight_jobs", "max_inflight_jobs_per_session", "quantum_bytes")
+        _integers(self, 1, 1024, "max_inflight_jobs", "max_inflight_jobs_per_session")
+        _integers(self, 4096, _MAX_BYTES, "quantum_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,9 +233,17 @@ class MetricsConfig:
     """The Prometheus endpoint."""
 
     address: str = "127.0.0.1:9464"
-    """host:port for /metrics; an empty string turns the endpoint off."""
+    """host:port for /metrics and /healthz; an empty string turns the endpoint off."""
+    max_connections: int = 8
+    """Scrapes served at once; a connection beyond them is closed at once."""
+    timeout_seconds: float = 5.0
+    """Longest a scrape connection may take from accept to the last byte of its reply."""
+    stall_seconds: float = 10.0
+    """/healthz answers 503 when the daemon's event loop has not run for this long."""
 
     def __post_init__(self) -> None:
+        _integers(self, 1, 1024, "max_connections")
+        _positive(self, "timeout_seconds", "stall_seconds")
         if self.address:
             host, sep, port = self.address.rpartition(":")
             if not sep or not port.isdigit() or not 0 <= int(port) < 65536:

@@ -4,11 +4,18 @@
 PING, REPORT_STEP, PLACEMENTS, ENGINE, SPACE, and the submit half of PREFETCH
 and EVICT) are answered inline from the event loop: the store defines them as
 in-memory operations under its lock, which no transfer holds for long, and a thread
-hop would double the small-request round trip. Everything that waits on I/O runs in
-a worker thread (``asyncio.to_thread``) inside a scheduler job: the store's
-prefetch/evict/flush, their waits, and FREE while the session has I/O under way (the
-store settles a region's pending transfer before freeing it), and STATUS, which walks
-every region of every session.
+hop would double the small-request round trip. Everything that waits on I/O runs on
+the *I/O executor* inside a scheduler job: the store's prefetch/evict/flush, their
+waits, and FREE while the session has I/O under way (the store settles a region's
+pending transfer before freeing it). STATUS, which walks every region of every
+session, runs on its own one-thread executor, and requests that arrive while one is
+being computed share the next one: a flood of STATUS costs two walks, and never takes a
+thread from transfers or from opening and closing sessions (the *admin* executor).
+
+[Note: per-session limits] Each limit of ``SessionConfig`` is checked before the request
+reserves anything, and a request over it gets ``QuotaExceededError`` (or ``ConfigError``
+for a bad value) naming the key: regions, region name length, queued transfers,
+unwaited handles. Other sessions never notice.
 
 [Note: client-visible state] The daemon waits for every transfer as soon as the
 scheduler has started it, so that it can start the next; a local ``TierStore``
@@ -20,20 +27,22 @@ as it would on a local store, until the client's WAIT returns.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from csrc.errors import ConfigError, ProtocolError
+from csrc.errors import ConfigError, ProtocolError, QuotaExceededError
 from daemon.backend import StoreBackend, region_to_wire, stats_to_wire
+from daemon.config import SessionConfig
 from daemon.metrics import DaemonMetrics
 from daemon.protocol import PROTOCOL_VERSION, Kind
 from daemon.scheduler import FairScheduler, JobClass
-from daemon.sessions import Session, SessionTable
+from daemon.sessions import PRIVILEGED_UID, Session, SessionTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Handlers", "SYNC_KINDS", "needs_session", "no_session_error"]
+__all__ = ["Handlers", "SYNC_KINDS", "PEER_KINDS", "needs_session", "no_session_error"]
 
 SYNC_KINDS = frozenset(
     {Kind.ALLOCATE, Kind.MARK_DIRTY, Kind.REGION, Kind.PREFETCH, Kind.EVICT, Kind.STATS, Kind.REPORT_STEP,
@@ -52,19 +61,42 @@ class Handlers:
     """Request handlers over one daemon's sessions, scheduler, backend and metrics."""
 
     def __init__(self, sessions: SessionTable, scheduler: FairScheduler, backend: StoreBackend,
-                 metrics: DaemonMetrics) -> None:
+                 metrics: DaemonMetrics, limits: SessionConfig, io_executor: concurrent.futures.Executor,
+                 status_executor: concurrent.futures.Executor) -> None:
         self.sessions = sessions
         self.scheduler = scheduler
         self.backend = backend
         self.metrics = metrics
+        self.limits = limits
+        self._io = io_executor
+        self._status_executor = status_executor
+        self._status: asyncio.Future[dict[str, Any]] | None = None
+        self._status_next: asyncio.Future[dict[str, Any]] | None = None
         self.started_at = time.monotonic()
         self.bytes_moved = {"read": 0, "write": 0}
         self.busy_seconds = {"read": 0.0, "write": 0.0}
+        self.inflight_bytes = 0
         self.metrics_address = ""
+
+    def _run_io(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    def _check_names(self, names: list[str]) -> None:
+        limit = self.limits.max_region_name_bytes
+        for name in names:
+            if len(name) * 4 > limit and len(name.encode()) > limit:
+                raise ConfigError(f"region name of {len(name.encode())} bytes is longer than "
+                                  f"[sessions] max_region_name_bytes = {limit}")
 
     # -- bookkeeping, inline ---------------------------------------------------------
     def allocate(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
-        return {"region": region_to_wire(s.store.allocate(body["name"], body["nbytes"]))}
+        self._check_names([body["name"]])
+        if s.regions >= self.limits.max_regions_per_session:
+            raise QuotaExceededError(f"the session holds [sessions] max_regions_per_session = "
+                                     f"{self.limits.max_regions_per_session} regions")
+        wire = region_to_wire(s.store.allocate(body["name"], body["nbytes"]))
+        s.regions += 1
+        return {"region": wire}
 
     def region(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
         name = body["name"]
@@ -127,23 +159,70 @@ class Handlers:
                 tiers[tier] = tiers.get(tier, 0) + 1
         except Exception as exc:  # a store closing under us: report it, do not fail the status
             stats, tiers = {"error": str(exc)}, {}
-        return {"job_id": x.job_id, "rank": x.rank, "state": x.state.value, "quota_bytes": x.quota_bytes,
-                "stats": stats, "regions_by_tier": tiers}
+        return {"job_id": x.job_id, "rank": x.rank, "uid": x.owner_uid, "state": x.state.value,
+                "quota_bytes": x.quota_bytes, "stats": stats, "regions_by_tier": tiers}
 
-    async def status(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
-        sessions = list(self.sessions)
-        rows = await asyncio.to_thread(lambda: [self._session_row(x) for x in sessions])
+    def _status_snapshot(self, sessions: list[Session]) -> dict[str, Any]:
+        rows = [self._session_row(x) for x in sessions]
+        try:
+            space = self.backend.space_info()
+            swap = {"used_bytes": space["used_bytes"], "capacity_bytes": space["capacity_bytes"]}
+        except Exception as exc:  # closing: report it
+            swap = {"error": str(exc)}
+        held = sum(r["stats"].get("host_pool_used_bytes", 0) for r in rows)
+        return {"rows": rows, "swap": swap, "held_bytes": held}
+
+    def _start_status(self) -> "asyncio.Future[dict[str, Any]]":
+        self._status = asyncio.get_running_loop().run_in_executor(
+            self._status_executor, self._status_snapshot, list(self.sessions))
+        return self._status
+
+    async def _status_after(self, running: "asyncio.Future[dict[str, Any]]") -> dict[str, Any]:
+        await asyncio.wait([running])
+        self._status_next = None
+        return await self._start_status()
+
+    async def status(self, uid: int, body: dict[str, Any]) -> dict[str, Any]:
+        """STATUS for a peer of ``uid``: every session for root, else only that uid's ones.
+
+        Every answer is computed after its request arrived; requests that arrive while one
+        is being computed share the next one (so a flood costs two walks, not one each)."""
+        running = self._status
+        if running is None or running.done():
+            future = self._start_status()
+        else:
+            if self._status_next is None:
+                self._status_next = asyncio.ensure_future(self._status_after(running))
+            future = self._status_next
+        snap = await asyncio.shield(future)
+        rows = snap["rows"] if uid == PRIVILEGED_UID else [r for r in snap["rows"] if r["uid"] == uid]
         bandwidth = {d: (self.bytes_moved[d] / self.busy_seconds[d] if self.busy_seconds[d] else 0.0)
                      for d in self.bytes_moved}
         return {"version": PROTOCOL_VERSION, "engine": self.backend.engine_name,
                 "metrics_address": self.metrics_address, "uptime_seconds": time.monotonic() - self.started_at,
-                "pool": {"capacity_bytes": self.sessions.capacity_bytes, "used_bytes": self.sessions.used_bytes},
-                "bytes_moved": dict(self.bytes_moved), "bytes_per_second": bandwidth,
-                "queued": self.scheduler.depth(), "inflight": self.scheduler.inflight, "sessions": rows}
+                "pool": {"capacity_bytes": self.sessions.capacity_bytes, "used_bytes": self.sessions.used_bytes,
+                         "held_bytes": snap["held_bytes"]},
+                "swap": snap["swap"], "bytes_moved": dict(self.bytes_moved), "bytes_per_second": bandwidth,
+                "queued": self.scheduler.depth(), "inflight": self.scheduler.inflight,
+                "inflight_bytes": self.inflight_bytes, "sessions": rows}
 
     # -- I/O through the scheduler ---------------------------------------------------
+    def _room_to_queue(self, s: Session, handles: int) -> None:
+        """[Note: per-session limits] for a transfer about to be queued."""
+        limits = self.limits
+        if self.scheduler.queued(s.key) >= limits.max_queued_transfers_per_session:
+            raise QuotaExceededError(f"the session has [sessions] max_queued_transfers_per_session = "
+                                     f"{limits.max_queued_transfers_per_session} transfers queued; "
+                                     "wait for some first")
+        if s.unwaited_handles + handles > limits.max_unwaited_handles_per_session:
+            raise QuotaExceededError(f"the session has [sessions] max_unwaited_handles_per_session = "
+                                     f"{limits.max_unwaited_handles_per_session} handles not waited for; "
+                                     "wait for some first")
+
     def _transfer(self, s: Session, body: dict[str, Any], kind: str) -> dict[str, Any]:
         names = list(dict.fromkeys(body["names"]))
+        self._check_names(names)
+        self._room_to_queue(s, 1)
         infos = [s.store.info(n) for n in names]  # unknown names fail now, as on a local store
         direction = "read" if kind == "prefetch" else "write"
         moving = "NVME" if kind == "prefetch" else "HOST"  # what has bytes to move: absent, or dirty
@@ -156,7 +235,11 @@ class Handlers:
 
         async def run() -> None:
             t0 = time.monotonic()
-            await asyncio.to_thread(transfer)
+            self.inflight_bytes += cost
+            try:
+                await self._run_io(transfer)
+            finally:
+                self.inflight_bytes -= cost
             self._moved(direction, cost, time.monotonic() - t0)
 
         cls = JobClass.PREFETCH if kind == "prefetch" else JobClass.WRITEBACK
@@ -203,11 +286,16 @@ class Handlers:
         return await self.wait(s, body, "evict")
 
     async def flush(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        self._room_to_queue(s, 0)
         cost = int(_field(s.store.stats(), "dirty_bytes", 1))
 
         async def run() -> None:
             t0 = time.monotonic()
-            await asyncio.to_thread(s.store.flush)
+            self.inflight_bytes += cost
+            try:
+                await self._run_io(s.store.flush)
+            finally:
+                self.inflight_bytes -= cost
             self._moved("write", cost, time.monotonic() - t0)
 
         await self.scheduler.submit(s.key, JobClass.WRITEBACK, cost, run)
@@ -218,9 +306,12 @@ class Handlers:
         if not self.scheduler.busy(s.key):
             s.store.free(name)  # nothing in flight for this session: free cannot block
         else:
+            self._room_to_queue(s, 0)
+
             async def run() -> None:
-                await asyncio.to_thread(s.store.free, name)
+                await self._run_io(s.store.free, name)
             await self.scheduler.submit(s.key, JobClass.WRITEBACK, 1, run, [name])
+        s.regions -= 1
         s.unwaited.pop(name, None)
         return {}
 
@@ -240,6 +331,8 @@ class Handlers:
 
 
 _SESSIONLESS = frozenset({Kind.PING, Kind.STATUS, Kind.HELLO, Kind.ENGINE, Kind.SPACE})
+PEER_KINDS = frozenset({Kind.STATUS})
+"""Kinds whose handler takes the peer's uid where the others take the session."""
 
 
 def needs_session(kind: Kind) -> bool:

@@ -20,7 +20,10 @@ Rules
 -----
 * The first request on a connection is HELLO (PING, STATUS, ENGINE and SPACE need no
   session). Its body carries ``version``; a version the daemon does not speak gets an
-  error reply and the connection is closed. One session per connection.
+  error reply and the connection is closed. One session per connection. A connection
+  that has opened no session within the daemon's ``hello_timeout_seconds`` is closed.
+* A connection the daemon will not keep (a connection cap reached) gets one error frame
+  with kind 0 and request_id 0, naming the cap, and is closed.
 * Every request gets exactly one reply with the same ``request_id``: a REPLY frame with
   the fields listed below, or a REPLY|ERROR frame with ``{"error", "message", "errno"?}``.
   ``error`` names a class of ``csrc.errors`` (``ProtocolError``, ``QuotaExceededError``,
@@ -30,8 +33,9 @@ Rules
   ``TierStore`` would raise.
 * A header whose ``body_nbytes`` exceeds the daemon's ``max_message_bytes`` gets an error
   reply and the connection is closed (framing can no longer be trusted). A body that is
-  not a JSON object, an unknown kind, a missing, extra or ill-typed field gets an error
-  reply and the connection goes on. A connection that ends mid-frame is dropped. None
+  not a JSON object (or nested deeper than ``MAX_JSON_DEPTH``, or holding NaN or
+  Infinity), an unknown kind, a missing, extra, ill-typed or out-of-range field gets an
+  error reply and the connection goes on. A connection that ends mid-frame is dropped. None
   of this touches any other session.
 * The HELLO reply carries the session's memfd segments as SCM_RIGHTS ancillary data on
   the frame's first byte (FDS flag set), in the order of its ``segments`` list. No other
@@ -41,9 +45,11 @@ Rules
 
 Messages (kind number: request fields -> reply fields)
 -----------------------------------------------------
-HELLO 1          version int, job_id str, rank int, quota_bytes int (0: the daemon's default)
-                 -> version, session_id, reattached bool, quota_bytes, segments [{index, nbytes}]
-                    (and the segments' fds, see above)
+HELLO 1          version int, job_id str, rank int, quota_bytes int (0: the daemon's default),
+                 token str (optional: a reattach presents the token of the session's last HELLO reply)
+                 -> version, session_id, reattached bool, quota_bytes, segments [{index, nbytes}],
+                    token str (for the next reattach; see [Note: session ownership] in daemon.sessions),
+                    idle_timeout_seconds (0: none) (and the segments' fds, see above)
 ALLOCATE 2       name str, nbytes int -> region {name, nbytes, segment_index, offset, tier}
 FREE 3           name -> {}
 MARK_DIRTY 4     name -> {}
@@ -61,24 +67,28 @@ STATS 11         {} -> stats {TierStats fields}
 REPORT_STEP 12   seconds float (one optimizer step) -> {}
 PING 13          {} -> {}
 STATUS 14        {} -> version, engine, metrics_address, uptime_seconds, pool {capacity_bytes,
-                 used_bytes}, bytes_moved {read, write}, bytes_per_second {read, write}, queued,
-                 inflight, sessions [{job_id, rank, state, quota_bytes, stats, regions_by_tier}]
+                 used_bytes (quotas reserved), held_bytes (host bytes the sessions' regions hold)},
+                 swap {used_bytes, capacity_bytes}, bytes_moved {read, write}, bytes_per_second
+                 {read, write}, queued, inflight, inflight_bytes, sessions [{job_id, rank, uid, state, quota_bytes,
+                 stats, regions_by_tier}] (only the asker's uid's sessions, unless it is root)
 BYE 15           {} -> {}; the session is closed now (memory and extents freed)
 PLACEMENTS 16    name -> placements [[file_index, file_offset, region_offset, nbytes]]
 ENGINE 17        {} -> name, stats {the engine's counters} (one engine serves every session)
 SPACE 18         {} -> files [path], used_bytes, capacity_bytes
 
-All integers are JSON numbers (exact up to 2**53); names are UTF-8 strings.
+All integers are JSON numbers (exact up to 2**53) and range-checked (``FIELD_RANGES``);
+names are UTF-8 strings.
 """
 from __future__ import annotations
 
 import enum
 import json
 import logging
+import math
 import struct
 from typing import Any, NamedTuple
 
-from csrc.errors import ProtocolError
+from csrc.errors import ConfigError, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +103,13 @@ __all__ = [
     "decode_body",
     "check_fields",
     "error_body",
+    "MAX_JSON_DEPTH",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: HELLO takes and returns a reattach token; connection-level error frames (request_id 0)."""
+MAX_JSON_DEPTH = 8
+"""No request body nests deeper than 3; a deeper one is refused before it is parsed."""
 HEADER = struct.Struct("<IHHQ")
 """body_nbytes u32, kind u16, flags u16, request_id u64: 16 bytes."""
 
@@ -159,9 +173,55 @@ REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
 }
 
 
+# Optional request fields per kind (checked like the required ones when present).
+OPTIONAL_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
+    Kind.HELLO: {"token": (str,)},
+}
+
+_I63 = (1 << 63) - 1
+FIELD_RANGES: dict[str, tuple[float, float]] = {
+    "version": (0, 1 << 16),
+    "rank": (0, (1 << 31) - 1),
+    "quota_bytes": (0, 1 << 53),
+    "nbytes": (-(1 << 53), 1 << 53),  # the sign is the store's to judge, as on a local store
+    "handle": (0, _I63),
+    "timeout_seconds": (0, 1e9),
+    "seconds": (0, 1e9),
+}
+"""Inclusive bounds of numeric request fields, wherever they appear (null stays allowed where typed so)."""
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number this protocol takes")
+
+
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
-_DECODER = json.JSONDecoder()
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 _pack = HEADER.pack
+
+
+def _too_deep(text: str) -> bool:
+    """True when ``text`` nests brackets deeper than MAX_JSON_DEPTH (strings skipped)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
 
 
 def encode_frame(kind: int, request_id: int, body: dict[str, Any] | None = None, flags: int = 0) -> bytes:
@@ -175,9 +235,12 @@ def decode_body(frame: Frame) -> dict[str, Any]:
     if not frame.body:
         return {}
     try:
-        body = _DECODER.decode(frame.body.decode())
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"request {frame.request_id}: body is not JSON ({exc})") from None
+        text = frame.body.decode()
+        if _too_deep(text):
+            raise ProtocolError(f"request {frame.request_id}: body nests deeper than {MAX_JSON_DEPTH}")
+        body = _DECODER.decode(text)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"request {frame.request_id}: body is not JSON ({str(exc)[:200]})") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"request {frame.request_id}: body must be a JSON object, got {type(body).__name__}")
     return body
@@ -194,15 +257,21 @@ def check_fields(kind: int, body: dict[str, Any]) -> Kind:
     spec = REQUEST_FIELDS[k]
     if not spec and not body:
         return k
+    optional = OPTIONAL_FIELDS.get(k, {})
     for name in body:
-        if name not in spec:
+        if name not in spec and name not in optional:
             raise ProtocolError(f"{k.name}: unknown field {name!r}")
-    for name, types in spec.items():
+    for name, types in (*spec.items(), *optional.items()):
         if name not in body:
-            raise ProtocolError(f"{k.name}: missing field {name!r}")
+            if name in spec:
+                raise ProtocolError(f"{k.name}: missing field {name!r}")
+            continue
         value = body[name]
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             raise ProtocolError(f"{k.name}: field {name!r} has type {type(value).__name__}")
+        bounds = FIELD_RANGES.get(name)
+        if bounds is not None and value is not None and not (bounds[0] <= value <= bounds[1] and math.isfinite(value)):
+            raise ConfigError(f"{k.name}: field {name!r} must be in [{bounds[0]}, {bounds[1]}], got {value!r}")
     if "names" in spec and not all(isinstance(n, str) for n in body["names"]):
         raise ProtocolError(f"{k.name}: field 'names' must be a list of strings")
     return k

@@ -15,6 +15,10 @@ names (an evict followed by a prefetch of the same region runs in that order). J
 disjoint regions overlap, up to ``max_inflight_jobs_per_session``, so one session can
 keep the disk's queue as deep as a local store does when it prefetches ahead. A job
 with no names (FLUSH) runs alone. Over all sessions, ``max_inflight_jobs`` run at once.
+
+Bookkeeping is O(1) per job: queue depths are counters kept as jobs come and go, and
+the depth callback runs only when a depth changed. Choosing the next job walks the
+sessions that have jobs queued (not the jobs).
 """
 from __future__ import annotations
 
@@ -67,6 +71,9 @@ class FairScheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._on_depth = on_depth
+        self._depth = {cls: 0 for cls in JobClass}  # queued jobs per class, kept as they come and go
+        self._reported: dict[JobClass, int] = {}
+        self._idle: dict[Hashable, asyncio.Event] = {}  # set when a session has nothing running
         self.served_bytes: dict[Hashable, int] = collections.defaultdict(int)
 
     def submit(self, key: Hashable, cls: JobClass, nbytes: int, run: Callable[[], Awaitable[None]],
@@ -80,12 +87,18 @@ class FairScheduler:
         if not queue and key not in self._order:
             self._order.append(key)
         queue.append(job)
-        self._report_depth()
+        self._depth[cls] += 1
         self._dispatch()
         return job.future
 
     def depth(self, cls: JobClass | None = None) -> int:
-        return sum(1 for q in self._queues.values() for j in q if cls is None or j.cls is cls)
+        """Jobs queued (not yet started), of ``cls`` or of every class."""
+        return sum(self._depth.values()) if cls is None else self._depth[cls]
+
+    def queued(self, key: Hashable) -> int:
+        """Jobs of session ``key`` queued, not yet started."""
+        queue = self._queues.get(key)
+        return len(queue) if queue else 0
 
     def busy(self, key: Hashable) -> bool:
         """Whether session ``key`` has a job queued or running."""
@@ -97,16 +110,18 @@ class FairScheduler:
 
     def _report_depth(self) -> None:
         if self._on_depth is not None:
-            for cls in JobClass:
-                self._on_depth(cls, self.depth(cls))
+            for cls, n in self._depth.items():
+                if self._reported.get(cls) != n:
+                    self._reported[cls] = n
+                    self._on_depth(cls, n)
 
     def _can_start(self, key: Hashable) -> bool:
         head, running = self._queues[key][0], self._running.get(key, ())
         return len(running) < self._config.max_inflight_jobs_per_session and \
             not any(head.conflicts(job) for job in running)
 
-    def _eligible(self, cls: JobClass) -> list[Hashable]:
-        return [k for k in self._order if self._queues[k][0].cls is cls and self._can_start(k)]
+    def _eligible(self, cls: JobClass) -> set[Hashable]:
+        return {k for k in self._order if self._queues[k][0].cls is cls and self._can_start(k)}
 
     def _pick(self) -> _Job | None:
         for cls in (JobClass.PREFETCH, JobClass.WRITEBACK):
@@ -123,6 +138,7 @@ class FairScheduler:
                 if self._deficit[key] >= head.nbytes:
                     self._deficit[key] -= head.nbytes
                     self._queues[key].popleft()
+                    self._depth[head.cls] -= 1
                     if not self._queues[key]:
                         self._order.popleft()
                         self._deficit[key] = 0
@@ -137,6 +153,9 @@ class FairScheduler:
             if job is None:
                 break
             self._running.setdefault(job.key, []).append(job)
+            idle = self._idle.get(job.key)
+            if idle is not None:
+                idle.clear()
             task = asyncio.get_running_loop().create_task(self._run(job))
             self._tasks.add(task)
             task.add_done_callback(self._finished)
@@ -157,6 +176,9 @@ class FairScheduler:
             running.remove(job)
             if not running:
                 self._running.pop(job.key, None)
+                idle = self._idle.pop(job.key, None)
+                if idle is not None:
+                    idle.set()
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -169,12 +191,14 @@ class FairScheduler:
             self._order.remove(key)
         self._deficit.pop(key, None)
         for job in queue:
+            self._depth[job.cls] -= 1
             if not job.future.done():
                 job.future.set_exception(SessionError("the session was closed before this I/O ran"))
                 job.future.exception()  # retrieved: nobody may be waiting any more
-        while self._running.get(key):
-            await asyncio.sleep(0.005)  # its running jobs finish (their I/O cannot be called back)
         self._report_depth()
+        if self._running.get(key):  # its running jobs finish (their I/O cannot be called back)
+            idle = self._idle.setdefault(key, asyncio.Event())
+            await idle.wait()
 
     async def drain(self, timeout_seconds: float) -> bool:
         """Refuse new jobs; wait up to ``timeout_seconds`` for queued and running ones."""

@@ -1,203 +1,70 @@
 """The daemon: an asyncio server on a Unix socket over sessions, scheduler, store and metrics.
 
-``DaemonServer(config, backend)`` owns everything; ``await server.start()`` binds the
-socket (mode from the config, a stale socket file replaced, a live daemon on the same
-path an error), starts the metrics endpoint; ``await server.stop()`` stops accepting,
-drains queued and running I/O (bounded by ``drain_timeout_seconds``), closes every
-session's store, and removes the socket. ``run_daemon(config)`` is the foreground
-process: it serves until SIGTERM or SIGINT, then stops as above.
+``DaemonServer(config, backend)`` owns everything; ``await server.start()`` makes the
+socket's directory if it is missing (mode 0755; an existing one must not be writable by
+others without the sticky bit), replaces a stale socket file (a live daemon on the same
+path is an error), raises the fd limit, builds the backend (swap space, node pool),
+binds the socket (mode from the config) and starts the metrics endpoint. A start that
+fails at any step closes everything it had opened. ``await server.stop()`` stops
+accepting, drains queued and running I/O (bounded by ``drain_timeout_seconds``),
+closes every session's store and the backend (bounded by ``close_timeout_seconds``),
+and removes the socket *if it is still the one this daemon bound* (a daemon that
+replaced this one keeps its socket). ``run_daemon(config)`` is the foreground process:
+it serves until SIGTERM or SIGINT, then stops as above; a second signal, or work that
+outlives the bounds, ends the process at once.
 
-Each connection is an ``asyncio.Protocol``: frames are decoded in ``data_received``;
-bookkeeping requests are answered there, I/O waits run as tasks (see
-[Note: what runs on the loop] in ``daemon.handlers``). A peer whose uid is not allowed
-(SO_PEERCRED) is closed at once. A protocol error costs only its own connection.
+Connections are ``daemon.connection.Connection``; how many are kept, and for how long,
+is ``daemon.admission``.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
 import socket
 import stat
-import struct
 import time
 from typing import Any
 
-from csrc.errors import ConfigError, OffloadError, ProtocolError, SessionError
+from csrc.errors import ConfigError
+from daemon.admission import ACCEPT_BACKLOG, CONNECTION_FD_RESERVE, Admission, open_fd_count, raise_fd_limit
 from daemon.backend import StoreBackend, SwapBackend
 from daemon.config import DaemonConfig
-from daemon.handlers import SYNC_KINDS, Handlers, needs_session, no_session_error
+from daemon.connection import Connection
+from daemon.handlers import Handlers
 from daemon.metrics import DaemonMetrics
-from daemon.protocol import PROTOCOL_VERSION, Flag, Frame, FrameDecoder, Kind, check_fields, decode_body, \
-    encode_frame, error_body
+from daemon.protocol import Kind
 from daemon.scheduler import FairScheduler
 from daemon.sessions import Session, SessionTable
-from daemon.shm import send_with_fds
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DaemonServer", "run_daemon"]
 
-_UCRED = struct.Struct("3i")  # pid, uid, gid
-_REPLY = int(Flag.REPLY)  # a plain int on the hot path
-_SYNC = frozenset(int(k) for k in SYNC_KINDS)
-_SESSIONLESS = frozenset(int(k) for k in Kind if not needs_session(k))
 
-
-class _Connection(asyncio.Protocol):
-    def __init__(self, server: "DaemonServer") -> None:
-        self.server = server
-        self.transport: asyncio.Transport | None = None
-        self.decoder = FrameDecoder(server.config.server.max_message_bytes)
-        self.session: Session | None = None
-        self.hello_pending = False
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.peer_pid = -1
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        self.peer_pid = pid
-        allowed = {os.getuid(), 0, *self.server.config.server.allowed_uids}
-        if uid not in allowed:
-            logger.warning("refused a connection from uid %d (pid %d)", uid, pid)
-            self.server.metrics.error("PeerRefused")
-            transport.close()
-            return
-        self.server.connections.add(self)
-
-    def data_received(self, data: bytes) -> None:
+def _prepare_socket_dir(directory: str) -> bool:
+    """Make the socket's directory (0755) if missing (True: made); refuse one in which others could swap the socket."""
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
         try:
-            frames = self.decoder.feed(data)
-        except ProtocolError as exc:  # framing lost: answer once, then close
-            self.reply_error(self.decoder.oversized_request_id or 0, 0, exc)
-            self.server.metrics.error("ProtocolError")
-            self.transport.close()  # type: ignore[union-attr]
-            return
-        for frame in frames:
-            self.handle(frame)
-
-    # A client that pipelines requests without reading the replies stops being read
-    # until it catches up, so its replies cannot pile up in the daemon's memory.
-    def pause_writing(self) -> None:
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
-        if self.decoder.pending_bytes:
-            self.server.metrics.error("TruncatedMessage")
-        if self.session is not None:
-            self.server.sessions.detach(self.session)
-            self.session = None
-
-    # -- replies ----------------------------------------------------------------------
-    def reply(self, frame: Frame, body: dict[str, Any]) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_frame(frame.kind, frame.request_id, body, _REPLY))
-
-    def reply_error(self, request_id: int, kind: int, exc: BaseException) -> None:
-        self.server.metrics.error(type(exc).__name__)
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(encode_frame(kind, request_id, error_body(exc), Flag.REPLY | Flag.ERROR))
-
-    # -- dispatch ---------------------------------------------------------------------
-    def handle(self, frame: Frame) -> None:
-        t0 = time.perf_counter()
-        try:
-            body = decode_body(frame)
-            kind = check_fields(frame.kind, body)
-            if kind is Kind.HELLO:
-                if self.session is not None or self.hello_pending:
-                    raise SessionError("this connection already has a session")
-                self.hello_pending = True
-                self.spawn(self.hello(frame, body, t0))
-                return
-            number = frame.kind  # int keys below: an IntEnum hashes through Python code
-            if self.session is None and number not in _SESSIONLESS:
-                raise no_session_error(kind)
-            fn = self.server.handler_table[number]
-            if number in _SYNC:
-                self.reply(frame, fn(self.session, body))  # type: ignore[arg-type]
-                self.server.request_seconds[number].observe(time.perf_counter() - t0)
-            else:
-                self.spawn(self.run_async(frame, kind, fn(self.session, body), t0))
-        except (OffloadError, KeyError, ValueError, TypeError, TimeoutError, OSError, MemoryError) as exc:
-            self.reply_error(frame.request_id, frame.kind, exc)
-        except Exception as exc:  # a bug of ours: still exactly one reply, and the loop goes on
-            logger.exception("request %d (kind %d) failed", frame.request_id, frame.kind)
-            self.reply_error(frame.request_id, frame.kind, OffloadError(f"internal error: {exc!r}"))
-
-    def spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def run_async(self, frame: Frame, kind: Kind, coro: Any, t0: float) -> None:
-        try:
-            body = await coro
-        except (OffloadError, KeyError, ValueError, TypeError, TimeoutError, OSError, MemoryError) as exc:
-            self.reply_error(frame.request_id, frame.kind, exc)
-        except asyncio.CancelledError:
-            self.reply_error(frame.request_id, frame.kind, SessionError("the session was closed"))
-        except Exception as exc:  # a bug of ours: still exactly one reply
-            logger.exception("request %d (kind %d) failed", frame.request_id, frame.kind)
-            self.reply_error(frame.request_id, frame.kind, OffloadError(f"internal error: {exc!r}"))
-        else:
-            if kind is Kind.BYE:
-                self.session = None
-            self.reply(frame, body)
-        self.server.request_seconds[int(kind)].observe(time.perf_counter() - t0)
-
-    async def hello(self, frame: Frame, body: dict[str, Any], t0: float) -> None:
-        try:
-            if body["version"] != PROTOCOL_VERSION:
-                raise ProtocolError(f"protocol version {body['version']} not spoken here (daemon speaks {PROTOCOL_VERSION})")
-            session, reattached = await self.server.sessions.attach(body["job_id"], body["rank"], body["quota_bytes"])
-        except (OffloadError, ValueError, OSError) as exc:
-            self.hello_pending = False
-            self.reply_error(frame.request_id, frame.kind, exc)
-            if isinstance(exc, ProtocolError):
-                self.transport.close()  # type: ignore[union-attr]
-            return
-        if self.transport is None or self.transport.is_closing():  # the client left while we built it
-            self.server.sessions.detach(session)
-            return
-        self.session = session
-        reply = {"version": PROTOCOL_VERSION, "session_id": session.session_id, "reattached": reattached,
-                 "quota_bytes": session.quota_bytes,
-                 "segments": [{"index": seg.index, "nbytes": seg.nbytes} for seg in session.segments]}
-        data = encode_frame(Kind.HELLO, frame.request_id, reply, Flag.REPLY | Flag.FDS)
-        await self.send_fds(data, [seg.fd for seg in session.segments])
-        self.server.request_seconds[int(Kind.HELLO)].observe(time.perf_counter() - t0)
-
-    async def send_fds(self, data: bytes, fds: list[int]) -> None:
-        """Send ``data`` with ``fds`` on the transport's socket, in order with other writes."""
-        transport = self.transport
-        assert transport is not None
-        deadline = time.monotonic() + 10.0
-        while transport.get_write_buffer_size() and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)  # earlier replies must leave first
-        sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
-        try:
-            while True:
-                try:
-                    sent = send_with_fds(sock, data, fds)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.001)
-        finally:
-            sock.close()
-        if sent < len(data):
-            transport.write(data[sent:])
+            os.makedirs(directory, mode=0o755)
+        except OSError as exc:
+            raise ConfigError(f"[server] socket_path: directory {directory} does not exist and cannot be "
+                              f"made ({exc.strerror})") from exc
+        logger.info("made the socket directory %s (mode 0755)", directory)
+        return True
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"[server] socket_path: {directory} is not a directory")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise ConfigError(f"[server] socket_path: directory {directory} is writable by every user without "
+                          "the sticky bit, so anyone could replace the socket; use a directory of its own")
+    if st.st_uid not in (0, os.getuid()):
+        raise ConfigError(f"[server] socket_path: directory {directory} belongs to uid {st.st_uid}, "
+                          "neither this daemon's user nor root")
+    return False
 
 
 class DaemonServer:
@@ -207,30 +74,51 @@ class DaemonServer:
                  metrics: DaemonMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or DaemonMetrics()
-        self.backend = backend or SwapBackend(config.pool, config.swap, config.io, config.store)
+        self.backend: StoreBackend | None = backend
+        self.allowed_uids = frozenset({os.getuid(), 0, *config.server.allowed_uids})
+        # [Note: what runs on the loop]: transfers, session open/close and STATUS each have threads of their own.
+        self.io_executor = concurrent.futures.ThreadPoolExecutor(
+            config.scheduler.max_inflight_jobs + 1, thread_name_prefix="ofl-io")
+        self.admin_executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ofl-admin")
+        self.status_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ofl-status")
         self.scheduler = FairScheduler(config.scheduler,
                                        on_depth=lambda cls, n: self.metrics.queue_depth.labels(cls.value).set(n))
-        self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler, self._changed)
-        self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics)
-        self.handler_table = {int(k): fn for k, fn in self.handlers.table().items()}
+        self.admission = Admission(config.server, on_refused=self.metrics.error)
+        self.sessions: SessionTable | None = None
+        self.handlers: Handlers | None = None
+        self.handler_table: dict[int, Any] = {}
         # Labelled children looked up once: labels() costs more than the observation.
         self.request_seconds = {int(k): self.metrics.request_seconds.labels(kind=k.name) for k in Kind}
-        self.connections: set[_Connection] = set()
         self.metrics_port: int | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._changed()
-
-    def _changed(self) -> None:
-        self.metrics.set_pool(self.sessions.used_bytes, self.sessions.capacity_bytes)
-        self.metrics.set_sessions(*self.sessions.counts())
-        self.metrics.session_host_bytes.clear()  # reclaimed sessions leave no series behind
-        for s in self.sessions:
-            self.metrics.session_host_bytes.labels(job=s.job_id, rank=str(s.rank)).set(s.quota_bytes)
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this daemon bound
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._made_dir: str | None = None
 
     @property
     def socket_path(self) -> str:
         return self.config.server.socket_path
 
+    def _run_admin(self, fn: Any, *args: Any) -> Any:
+        return asyncio.get_running_loop().run_in_executor(self.admin_executor, fn, *args)
+
+    def _session_changed(self, event: str, session: Session) -> None:
+        """Keep the gauges current for one session's change (never a walk over every session)."""
+        m, table = self.metrics, self.sessions
+        if table is None:
+            return
+        m.set_pool(table.used_bytes, table.capacity_bytes)
+        m.set_sessions(*table.counts())
+        labels = (str(session.owner_uid), session.job_id, str(session.rank))
+        if event == "attach":
+            m.session_host_bytes.labels(*labels).set(session.quota_bytes)
+        elif event == "reclaim":
+            try:
+                m.session_host_bytes.remove(*labels)
+            except KeyError:
+                pass
+
+    # -- start ------------------------------------------------------------------------
     def _clear_stale_socket(self) -> None:
         path = self.socket_path
         try:
@@ -247,63 +135,171 @@ class DaemonServer:
             logger.info("removing stale socket %s", path)
             os.unlink(path)
             return
+        except OSError:
+            pass  # a listener that does not accept in time is still a listener
         finally:
             probe.close()
         raise ConfigError(f"a daemon is already listening on {path}")
 
     async def start(self) -> None:
+        """Bring the daemon up; on any failure, close whatever was opened and raise."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._close_parts(self.config.server.close_timeout_seconds)
+            if self._made_dir is not None:
+                try:
+                    os.rmdir(self._made_dir)  # only if empty: nothing of anyone else's goes
+                except OSError:
+                    pass
+            raise
+
+    async def _start(self) -> None:
+        config = self.config
         directory = os.path.dirname(os.path.abspath(self.socket_path))
-        if not os.path.isdir(directory):
-            raise ConfigError(f"[server] socket_path {self.socket_path}: directory {directory} does not exist")
+        self._made_dir = directory if _prepare_socket_dir(directory) else None
         self._clear_stale_socket()
+        fd_limit = raise_fd_limit(config.server.fd_limit)
+        if self.backend is None:
+            self.backend = await self._run_admin(SwapBackend, config.pool, config.swap, config.io, config.store)
+        self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler,
+                                     self._session_changed, self._run_admin)
+        self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics, config.sessions,
+                                 self.io_executor, self.status_executor)
+        self.handler_table = {int(k): fn for k, fn in self.handlers.table().items()}
+        self.metrics.set_pool(0, self.sessions.capacity_bytes)
+        self.metrics.set_sessions(0, 0)
+        self.metrics.watch(self.handlers, self.backend)
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # no window in which the socket is wider than asked
         try:
-            self._server = await loop.create_unix_server(lambda: _Connection(self), self.socket_path)
+            self._server = await loop.create_unix_server(lambda: Connection(self), self.socket_path,
+                                                         backlog=ACCEPT_BACKLOG)
         finally:
             os.umask(old_umask)
-        os.chmod(self.socket_path, self.config.server.socket_mode)
-        if self.config.metrics.address:
-            host = self.config.metrics.host_port[0]
-            self.metrics_port = self.metrics.serve(host, self.config.metrics.host_port[1])
+        st = os.stat(self.socket_path)
+        self._socket_id = (st.st_dev, st.st_ino)
+        os.chmod(self.socket_path, config.server.socket_mode)
+        reserve = CONNECTION_FD_RESERVE + ACCEPT_BACKLOG  # asyncio accepts up to a backlog's worth at once
+        if config.metrics.address:
+            host = config.metrics.host_port[0]
+            self.metrics_port = self.metrics.serve(host, config.metrics.host_port[1], config.metrics)
             self.handlers.metrics_address = f"{host}:{self.metrics_port}"
-        logger.info("serving on %s (engine %s, pool %d bytes)", self.socket_path, self.backend.engine_name,
-                    self.config.pool.capacity_bytes)
+            reserve += config.metrics.max_connections
+        self.admission.fit_to_fds(fd_limit, open_fd_count(), reserve)
+        self._tick()
+        if config.server.idle_timeout_seconds:
+            self._sweep_idle()
+        logger.info("serving on %s (engine %s, pool %d bytes, fd limit %d, at most %d connections)",
+                    self.socket_path, self.backend.engine_name, self.sessions.capacity_bytes, fd_limit,
+                    self.admission.max_connections)
 
-    async def stop(self) -> None:
-        """Stop accepting, drain I/O, close every session and the backend."""
+    def _tick(self) -> None:
+        """The event loop's heartbeat, which /healthz reads."""
+        self.metrics.heartbeat()
+        self._timers["tick"] = asyncio.get_running_loop().call_later(1.0, self._tick)
+
+    def _sweep_idle(self) -> None:
+        """Close connections whose session sent nothing for idle_timeout_seconds (see ServerConfig)."""
+        idle = self.config.server.idle_timeout_seconds
+        now = time.monotonic()
+        for conn in self.admission.connections():
+            if conn.session is not None and not conn.tasks and now - conn.last_active > idle:
+                logger.info("closing the idle connection of job %s rank %d (uid %d): nothing for %.0f s",
+                            conn.session.job_id, conn.session.rank, conn.uid, now - conn.last_active)
+                conn.transport.close()  # type: ignore[union-attr]
+        self._timers["idle"] = asyncio.get_running_loop().call_later(min(30.0, max(idle / 4, 0.1)), self._sweep_idle)
+
+    # -- stop -------------------------------------------------------------------------
+    def _unlink_socket_if_ours(self) -> None:
+        if self._socket_id is None:
+            return
+        socket_id, self._socket_id = self._socket_id, None
+        try:
+            st = os.stat(self.socket_path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == socket_id:
+            os.unlink(self.socket_path)
+        else:
+            logger.info("socket %s now belongs to another daemon; left in place", self.socket_path)
+
+    async def stop(self) -> bool:
+        """Stop accepting, drain I/O, close every session and the backend; True if all of it finished in time."""
+        self.metrics.stopping = True  # /healthz says so from now on
         if self._server is not None:
             self._server.close()
+        self._unlink_socket_if_ours()
         drained = await self.scheduler.drain(self.config.server.drain_timeout_seconds)
-        for conn in list(self.connections):
+        for conn in self.admission.connections():
             if conn.transport is not None:
                 conn.transport.close()
-        for conn in list(self.connections):
             for task in list(conn.tasks):
                 task.cancel()
-        await self.sessions.close_all()
-        await asyncio.to_thread(self.backend.close)
+        closed = await self._close_parts(self.config.server.close_timeout_seconds)
+        logger.info("stopped (%s%s)", "drained" if drained else "drain timed out",
+                    "" if closed else "; closing timed out")
+        return closed
+
+    async def _close_parts(self, budget_seconds: float) -> bool:
+        """Close sessions, backend, metrics, executors and the socket, within ``budget_seconds``."""
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        if self._server is not None:
+            self._server.close()
+        self._unlink_socket_if_ours()
+        deadline = time.monotonic() + budget_seconds
+        closed = True
+        if self.sessions is not None:
+            try:
+                await asyncio.wait_for(self.sessions.close_all(), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                logger.warning("closing sessions took longer than %.1f s", budget_seconds)
+                closed = False
+        if self.backend is not None:
+            try:
+                await asyncio.wait_for(self._run_admin(self.backend.close), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                logger.warning("closing the swap space and engine took longer than %.1f s", budget_seconds)
+                closed = False
+            except Exception:
+                logger.exception("closing the backend failed")
         self.metrics.close()
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        logger.info("stopped (%s)", "drained" if drained else "drain timed out")
+        for pool in (self.io_executor, self.admin_executor, self.status_executor):
+            pool.shutdown(wait=False, cancel_futures=True)
+        return closed
 
 
-async def _serve_until_signal(server: DaemonServer) -> None:
+async def _serve_until_signal(server: DaemonServer) -> bool:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: the operator wants out now
+            logger.warning("second signal: exiting without finishing the drain")
+            logging.shutdown()
+            os._exit(1)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await server.start()
     await stop.wait()
     logger.info("signal received: draining in-flight I/O")
-    await server.stop()
+    return await server.stop()
 
 
 def run_daemon(config: DaemonConfig, backend: StoreBackend | None = None) -> int:
-    """Run the daemon in the foreground until SIGTERM/SIGINT; returns the exit status."""
+    """Run the daemon in the foreground until SIGTERM/SIGINT; returns the exit status.
+
+    Shutdown is bounded: when closing outlives ``close_timeout_seconds`` (a transfer stuck
+    in the kernel), the process exits at once rather than wait for its threads; the next
+    start sweeps the swap files it leaves."""
     server = DaemonServer(config, backend)
-    asyncio.run(_serve_until_signal(server))
+    closed = asyncio.run(_serve_until_signal(server))
+    if not closed:
+        logger.warning("exiting with work still under way in worker threads")
+        logging.shutdown()
+        os._exit(1)
     return 0

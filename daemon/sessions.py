@@ -1,19 +1,26 @@
-"""Sessions: one per (job id, rank), each with its own host pool and store.
+"""Sessions: one per (owner uid, job id, rank), each with its own host pool and store.
 
 A client's HELLO names its job id, rank and quota. A new session reserves its quota
-from the node pool (``QuotaExceededError`` when the pool has not that much left, or
-the quota is above ``max_quota_bytes``), and the backend builds its memfd segments
-(pre-touched, so in a worker thread) and its ``TierStore``.
+from the node pool (``QuotaExceededError`` when the pool has not that much left, the
+quota is out of range, or the uid already holds ``max_sessions_per_uid`` sessions),
+and the backend lends it segments of the node pool and builds its ``TierStore``.
+Every limit is checked before anything is reserved, and each error names its key.
+
+[Note: session ownership] A session belongs to the uid that opened it (SO_PEERCRED of
+its connection): its key is (uid, job id, rank), so another uid's HELLO with the same
+job id and rank is another session, and no uid can squat a job id in advance. The
+HELLO reply carries a reattach *token* (random, 192 bits); a reattach needs the same
+uid and that token, or root (uid 0) and the token. Each reattach issues a new token.
 
 [Note: reattach grace] When the connection ends (a clean close, a crash, SIGKILL),
 the session is *detached*, not closed: its memory, its regions and their NVMe extents
-stay for ``reattach_grace_seconds``. A HELLO with the same job id and rank in that
-time gets the same session back (same segments, same regions, bytes intact). After the
+stay for ``reattach_grace_seconds``. A HELLO of its owner with its token in that time
+gets the same session back (same segments, same regions, bytes intact). After the
 grace period the session is *reclaimed*: queued I/O is dropped, running I/O is awaited,
-the store is closed (which frees its extents and its pool) and the quota returns to the
-node pool. A second HELLO for a session that is still attached is refused
-(``SessionError``): one rank, one connection. Liveness is the socket itself (the kernel
-closes it when the process dies), never a heartbeat on the data path.
+the store is closed (which frees its extents), its segments go back to the node pool
+(zeroed) and the quota returns. A second HELLO for a session that is still attached is
+refused (``SessionError``): one rank, one connection. Liveness is the socket itself
+(the kernel closes it when the process dies), never a heartbeat on the data path.
 """
 from __future__ import annotations
 
@@ -22,9 +29,10 @@ import collections
 import enum
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from csrc.errors import QuotaExceededError, SessionError
 from daemon.backend import StoreBackend
@@ -64,11 +72,17 @@ class Session:
     session_id: int
     job_id: str
     rank: int
+    owner_uid: int
+    token: str
     quota_bytes: int
     store: Any
     segments: Sequence[Any]
     closer: Callable[[], None]
     state: SessionState = SessionState.ATTACHED
+    regions: int = 0
+    """Regions the session holds (ALLOCATE adds one, FREE takes one), against max_regions_per_session."""
+    unwaited_handles: int = 0
+    """Handles not yet waited for, against max_unwaited_handles_per_session."""
     handles: dict[int, Handle] = field(default_factory=dict)
     unwaited: dict[str, int] = field(default_factory=dict)
     """Region name -> handles naming it that the client has not waited for (see handlers)."""
@@ -78,13 +92,14 @@ class Session:
     detached_at: float | None = None
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
+    def key(self) -> tuple[int, str, int]:
+        return (self.owner_uid, self.job_id, self.rank)
 
     def new_handle(self, kind: str, names: list[str], future: asyncio.Future[None]) -> int:
         handle = self.next_handle
         self.next_handle += 1
         self.handles[handle] = Handle(kind, names, future)
+        self.unwaited_handles += 1
         for name in names:
             self.unwaited[name] = self.unwaited.get(name, 0) + 1
         return handle
@@ -95,6 +110,7 @@ class Session:
         if h is None or h.waited:
             return
         h.waited = True
+        self.unwaited_handles -= 1
         self._done.append(handle)
         while len(self._done) > DONE_HANDLES_KEPT:
             self.handles.pop(self._done.popleft(), None)
@@ -110,6 +126,10 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+PRIVILEGED_UID = 0
+"""Root: may reattach any uid's session (with its token) and sees every session in STATUS."""
+
+
 class SessionTable:
     """All sessions of the daemon, the node pool's accounting, and reclaiming."""
 
@@ -119,79 +139,132 @@ class SessionTable:
         pool: PoolConfig,
         backend: StoreBackend,
         scheduler: FairScheduler,
-        on_change: Callable[[], None] | None = None,
+        on_change: Callable[[str, Session], None] | None = None,
+        run_blocking: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
         self._backend = backend
         self._scheduler = scheduler
-        self._sessions: dict[tuple[str, int], Session] = {}
+        self._sessions: dict[tuple[int, str, int], Session] = {}
+        self._opening: set[tuple[int, str, int]] = set()
+        self._per_uid: collections.Counter[int] = collections.Counter()  # sessions, open or being opened
         self._ids = itertools.count(1)
-        self._on_change = on_change or (lambda: None)
+        self._on_change = on_change or (lambda event, session: None)
+        self._run = run_blocking or (lambda fn, *args: asyncio.to_thread(fn, *args))
         self.used_bytes = 0
+        self.attached = 0
         self.reclaimed_total = 0
         self._room = asyncio.Condition()  # notified when a reclaim returns memory to the node pool
 
     @property
     def capacity_bytes(self) -> int:
-        return self._pool.capacity_bytes
+        return self._pool.capacity_bytes // self._pool.segment_bytes * self._pool.segment_bytes
 
     def __iter__(self):
         return iter(list(self._sessions.values()))
 
-    def counts(self) -> tuple[int, int]:
-        attached = sum(1 for s in self._sessions.values() if s.state is SessionState.ATTACHED)
-        return attached, len(self._sessions) - attached
+    def __len__(self) -> int:
+        return len(self._sessions)
 
-    async def attach(self, job_id: str, rank: int, quota_bytes: int) -> tuple[Session, bool]:
-        """The session for (job_id, rank): reattached if detached, else a new one."""
-        if not job_id or len(job_id) > 256 or rank < 0:
-            raise SessionError(f"job_id must be 1-256 characters and rank >= 0, got {job_id!r}, {rank}")
-        existing = self._sessions.get((job_id, rank))
-        if existing is not None:
-            if existing.state is SessionState.ATTACHED:
-                raise SessionError(f"job {job_id!r} rank {rank} already has a session attached")
-            if existing.reclaim_timer is not None:
-                existing.reclaim_timer.cancel()
-                existing.reclaim_timer = None
-            existing.state = SessionState.ATTACHED
-            existing.detached_at = None
-            # The old connection's handles die with it; their transfers finish in the daemon.
-            existing.handles.clear()
-            existing.unwaited.clear()
-            logger.info("job %s rank %d reattached (session %d)", job_id, rank, existing.session_id)
-            self._on_change()
-            return existing, True
-        quota = _round_up(quota_bytes or self._config.default_quota_bytes, 4096)
-        if quota > self._pool.segment_bytes:  # a pool is a whole number of segments
-            quota = _round_up(quota, self._pool.segment_bytes)
-        limit = self._config.max_quota_bytes or self._pool.capacity_bytes
+    def counts(self) -> tuple[int, int]:
+        return self.attached, len(self._sessions) - self.attached
+
+    def quota_for(self, quota_bytes: int) -> int:
+        """The quota a HELLO asking for ``quota_bytes`` gets (0: the default), in whole segments; or the error."""
+        c, seg = self._config, self._pool.segment_bytes
+        if quota_bytes == 0:
+            quota_bytes = c.default_quota_bytes
+        elif quota_bytes < c.min_quota_bytes:
+            raise QuotaExceededError(f"quota of {quota_bytes} bytes is below [sessions] min_quota_bytes = "
+                                     f"{c.min_quota_bytes} (0 asks for the default)")
+        quota = _round_up(quota_bytes, seg)  # a session's pool is a whole number of node-pool segments
+        limit = c.max_quota_bytes or self.capacity_bytes
         if quota > limit:
-            raise QuotaExceededError(f"quota of {quota} bytes exceeds the per-session limit of {limit}")
-        if self.used_bytes + quota > self._pool.capacity_bytes and self._config.quota_policy == "wait":
+            raise QuotaExceededError(f"quota of {quota} bytes exceeds the per-session limit of {limit} "
+                                     f"([sessions] max_quota_bytes, or the pool's capacity_bytes)")
+        return quota
+
+    def _reattach(self, existing: Session, uid: int, token: str) -> tuple[Session, bool]:
+        if existing.state is SessionState.ATTACHED:
+            raise SessionError(f"job {existing.job_id!r} rank {existing.rank} already has a session attached")
+        if not token or not secrets.compare_digest(token, existing.token):
+            raise SessionError(f"job {existing.job_id!r} rank {existing.rank} is detached and kept for its "
+                               f"owner: a reattach needs the token of its last HELLO reply")
+        if existing.reclaim_timer is not None:
+            existing.reclaim_timer.cancel()
+            existing.reclaim_timer = None
+        existing.state = SessionState.ATTACHED
+        existing.detached_at = None
+        existing.token = secrets.token_urlsafe(24)
+        self.attached += 1
+        # The old connection's handles die with it; their transfers finish in the daemon.
+        existing.handles.clear()
+        existing.unwaited.clear()
+        existing.unwaited_handles = 0
+        logger.info("job %s rank %d reattached by uid %d (session %d)", existing.job_id, existing.rank, uid,
+                    existing.session_id)
+        self._on_change("attach", existing)
+        return existing, True
+
+    def _find_for_root(self, job_id: str, rank: int, token: str) -> Session | None:
+        for s in self._sessions.values():
+            if s.job_id == job_id and s.rank == rank and token and secrets.compare_digest(token, s.token):
+                return s
+        return None
+
+    async def attach(self, job_id: str, rank: int, quota_bytes: int, uid: int, token: str = "") -> tuple[Session, bool]:
+        """The session of ``uid`` for (job_id, rank): reattached if detached (with its token), else a new one."""
+        if not job_id or len(job_id) > 256 or not 0 <= rank < 1 << 31:
+            raise SessionError(f"job_id must be 1-256 characters and rank in [0, 2**31), got {job_id!r}, {rank}")
+        key = (uid, job_id, rank)
+        existing = self._sessions.get(key)
+        if existing is None and uid == PRIVILEGED_UID and token:
+            existing = self._find_for_root(job_id, rank, token)
+        if existing is not None:
+            return self._reattach(existing, uid, token)
+        if key in self._opening:
+            raise SessionError(f"job {job_id!r} rank {rank} already has a session attached")
+        quota = self.quota_for(quota_bytes)
+        c = self._config
+        if len(self._sessions) + len(self._opening) >= c.max_sessions:
+            raise QuotaExceededError(f"the daemon holds [sessions] max_sessions = {c.max_sessions} sessions")
+        if self._per_uid[uid] >= c.max_sessions_per_uid:
+            raise QuotaExceededError(f"uid {uid} holds [sessions] max_sessions_per_uid = {c.max_sessions_per_uid} "
+                                     "sessions (attached or detached)")
+        self._opening.add(key)
+        self._per_uid[uid] += 1
+        try:
+            session = await self._open(job_id, rank, uid, quota)
+        except BaseException:
+            self._per_uid[uid] -= 1
+            raise
+        finally:
+            self._opening.discard(key)
+        self._sessions[key] = session
+        self.attached += 1
+        logger.info("job %s rank %d uid %d: session %d, %d bytes in %d segments",
+                    job_id, rank, uid, session.session_id, quota, len(session.segments))
+        self._on_change("attach", session)
+        return session, False
+
+    async def _open(self, job_id: str, rank: int, uid: int, quota: int) -> Session:
+        if self.used_bytes + quota > self.capacity_bytes and self._config.quota_policy == "wait":
             await self._wait_for_room(quota)
-        if self.used_bytes + quota > self._pool.capacity_bytes:
+        if self.used_bytes + quota > self.capacity_bytes:
             raise QuotaExceededError(
                 f"quota of {quota} bytes exceeds what the node pool has left "
-                f"({self._pool.capacity_bytes - self.used_bytes} of {self._pool.capacity_bytes})"
+                f"({self.capacity_bytes - self.used_bytes} of {self.capacity_bytes})"
                 + (f" after waiting {self._config.quota_wait_seconds} s" if self._config.quota_policy == "wait" else "")
             )
         self.used_bytes += quota  # reserved before the await: two hellos cannot both take the rest
         try:
-            opened = await asyncio.to_thread(self._backend.open_store, quota)
+            opened = await self._run(self._backend.open_store, quota, uid)
         except BaseException:
             self.used_bytes -= quota
             raise
-        if (job_id, rank) in self._sessions:  # a racing hello won while we built the store
-            self.used_bytes -= quota
-            await asyncio.to_thread(opened.close)
-            raise SessionError(f"job {job_id!r} rank {rank} already has a session attached")
-        session = Session(next(self._ids), job_id, rank, quota, opened.store, list(opened.segments), opened.close)
-        self._sessions[session.key] = session
-        logger.info("job %s rank %d: session %d, %d bytes in %d segments",
-                    job_id, rank, session.session_id, quota, len(session.segments))
-        self._on_change()
-        return session, False
+        return Session(next(self._ids), job_id, rank, uid, secrets.token_urlsafe(24), quota, opened.store,
+                       list(opened.segments), opened.close)
 
     async def _wait_for_room(self, quota: int) -> None:
         """quota_policy "wait": sleep until reclaims leave room for ``quota`` (or time runs out)."""
@@ -199,7 +272,7 @@ class SessionTable:
         async with self._room:
             try:
                 await asyncio.wait_for(
-                    self._room.wait_for(lambda: self.used_bytes + quota <= self._pool.capacity_bytes),
+                    self._room.wait_for(lambda: self.used_bytes + quota <= self.capacity_bytes),
                     self._config.quota_wait_seconds)
             except asyncio.TimeoutError:
                 pass
@@ -210,11 +283,12 @@ class SessionTable:
             return
         session.state = SessionState.DETACHED
         session.detached_at = time.monotonic()
+        self.attached -= 1
         grace = self._config.reattach_grace_seconds
         logger.info("job %s rank %d detached; kept for %.1f s", session.job_id, session.rank, grace)
         loop = asyncio.get_running_loop()
         session.reclaim_timer = loop.call_later(grace, lambda: loop.create_task(self._expire(session)))
-        self._on_change()
+        self._on_change("detach", session)
 
     async def _expire(self, session: Session) -> None:
         if session.state is SessionState.DETACHED:
@@ -224,7 +298,12 @@ class SessionTable:
         """Close the session now: drop its I/O, close its store, return its quota."""
         if session.state is SessionState.CLOSED:
             return
+        if session.state is SessionState.ATTACHED:
+            self.attached -= 1
         session.state = SessionState.CLOSED
+        self._per_uid[session.owner_uid] -= 1
+        if self._per_uid[session.owner_uid] <= 0:
+            del self._per_uid[session.owner_uid]
         if session.reclaim_timer is not None:
             session.reclaim_timer.cancel()
             session.reclaim_timer = None
@@ -235,8 +314,9 @@ class SessionTable:
                 h.future.cancel()
         session.handles.clear()
         session.unwaited.clear()
+        self._on_change("reclaim", session)
         try:
-            await asyncio.to_thread(session.closer)
+            await self._run(session.closer)
         except Exception:  # the quota still returns: the memory is unmapped with the pool
             logger.exception("closing the store of job %s rank %d failed", session.job_id, session.rank)
         self.used_bytes -= session.quota_bytes
@@ -244,7 +324,7 @@ class SessionTable:
         async with self._room:
             self._room.notify_all()
         logger.info("job %s rank %d reclaimed; pool use %d bytes", session.job_id, session.rank, self.used_bytes)
-        self._on_change()
+        self._on_change("returned", session)
 
     async def close_all(self) -> None:
         for session in list(self._sessions.values()):

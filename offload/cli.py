@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+import unicodedata
 from typing import Any
 
 from csrc.errors import OffloadError
@@ -50,30 +51,51 @@ def format_bytes(n: float) -> str:
     return str(n)
 
 
+def escape(text: str) -> str:
+    """``text`` with control and format characters escaped (a job id cannot move the cursor or hide text)."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if ch.isprintable() and unicodedata.category(ch) not in ("Cc", "Cf", "Zl", "Zp"):
+            out.append(ch)
+        else:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return "".join(out)
+
+
 def format_status(status: dict[str, Any]) -> str:
     """The STATUS reply as the table ``offload status`` prints."""
-    pool = status["pool"]
+    pool, swap = status["pool"], status.get("swap", {})
+    held = f", {format_bytes(pool['held_bytes'])} held by regions" if "held_bytes" in pool else ""
     lines = [
-        f"engine      {status['engine']}",
+        f"engine      {escape(str(status['engine']))}",
         f"uptime      {status['uptime_seconds']:.0f} s",
-        f"pool        {format_bytes(pool['used_bytes'])} used of {format_bytes(pool['capacity_bytes'])}",
+        f"pool        {format_bytes(pool['used_bytes'])} reserved by quotas of {format_bytes(pool['capacity_bytes'])}{held}",
+    ]
+    if "capacity_bytes" in swap:
+        share = swap["used_bytes"] / swap["capacity_bytes"] if swap["capacity_bytes"] else 0.0
+        lines.append(f"swap        {format_bytes(swap['used_bytes'])} used of {format_bytes(swap['capacity_bytes'])} ({share:.0%})")
+    lines += [
         f"moved       read {format_bytes(status['bytes_moved']['read'])} "
         f"({format_bytes(status['bytes_per_second']['read'])}/s), "
         f"write {format_bytes(status['bytes_moved']['write'])} ({format_bytes(status['bytes_per_second']['write'])}/s)",
         f"queue       {status['queued']} queued, {status['inflight']} in flight",
-        f"metrics     {status.get('metrics_address') or 'off'}",
+        f"metrics     {escape(str(status.get('metrics_address') or 'off'))}",
         "",
     ]
-    header = ("JOB", "RANK", "STATE", "QUOTA", "REGIONS", "HOST", "NVME", "IN FLIGHT", "DIRTY", "REGIONS BY TIER")
+    header = ("JOB", "RANK", "UID", "STATE", "QUOTA", "HELD", "REGIONS", "HOST", "NVME", "IN FLIGHT", "DIRTY",
+              "REGIONS BY TIER")
     rows = [header]
     for s in status["sessions"]:
         stats = s.get("stats", {})
 
         def b(key: str) -> str:
             return format_bytes(stats[key]) if isinstance(stats.get(key), (int, float)) else "-"
-        by_tier = " ".join(f"{t.lower()}={n}" for t, n in sorted(s.get("regions_by_tier", {}).items())) or "-"
-        rows.append((s["job_id"], str(s["rank"]), s["state"], format_bytes(s["quota_bytes"]),
-                     str(stats.get("regions", "-")),
+        by_tier = " ".join(f"{escape(t.lower())}={n}" for t, n in sorted(s.get("regions_by_tier", {}).items())) or "-"
+        rows.append((escape(str(s["job_id"])), str(s["rank"]), str(s.get("uid", "-")), escape(str(s["state"])),
+                     format_bytes(s["quota_bytes"]), b("host_pool_used_bytes"), str(stats.get("regions", "-")),
                      b("host_bytes"), b("nvme_bytes"), b("in_flight_bytes"), b("dirty_bytes"), by_tier))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
@@ -86,7 +108,14 @@ def format_status(status: dict[str, Any]) -> str:
 def _status(args: argparse.Namespace) -> int:
     from daemon.client import daemon_status
 
-    status = daemon_status(args.socket, timeout_seconds=args.timeout_seconds)
+    socket_path = args.socket
+    if socket_path is None:
+        if args.config is not None:
+            from daemon.config import load_config
+            socket_path = load_config(args.config).server.socket_path
+        else:
+            socket_path = DEFAULT_SOCKET
+    status = daemon_status(socket_path, timeout_seconds=args.timeout_seconds)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
@@ -111,8 +140,24 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("tiered-offload")
+    except Exception:  # a bare checkout on PYTHONPATH
+        return "unknown (not installed)"
+
+
+def _log_level(text: str) -> int:
+    level = logging.getLevelName(text.upper())
+    if not isinstance(level, int):
+        raise argparse.ArgumentTypeError(f"unknown log level {text!r} (debug, info, warning, error, critical)")
+    return level
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description="Memory-tiered offload engine.")
+    parser.add_argument("--version", action="version", version=f"offload {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this build runs: ISA paths, threads").set_defaults(fn=_info)
 
@@ -128,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--swap-dir", help="directory for the swap file (a temporary directory)")
     m.add_argument("--seed", type=int, help="model init and data seed (0)")
     m.add_argument("--no-progress", action="store_true", help="no progress bar, only the summary")
-    m.add_argument("--log-level", default="WARNING")
+    m.add_argument("--log-level", type=_log_level, default=logging.WARNING)
     m.set_defaults(fn=_demo)
 
     d = sub.add_parser("daemon", help="run the node daemon in the foreground (SIGTERM drains and exits)")
@@ -141,11 +186,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--swap-path", action="append", help="swap directory, repeatable ([swap] paths)")
     d.add_argument("--swap-bytes", type=int, help="swap capacity ([swap] capacity_bytes)")
     d.add_argument("--metrics-address", help="host:port for /metrics, '' for none ([metrics] address)")
-    d.add_argument("--log-level", default="INFO")
+    d.add_argument("--log-level", type=_log_level, default=logging.INFO,
+                   help="debug, info, warning, error or critical (any case)")
     d.set_defaults(fn=_daemon)
 
     s = sub.add_parser("status", help="what the daemon holds, as a table")
-    s.add_argument("--socket", default=DEFAULT_SOCKET)
+    s.add_argument("--socket", help=f"the daemon's socket (default: the --config file's, else {DEFAULT_SOCKET})")
+    s.add_argument("--config", help="node.toml: read the socket path from its [server] table")
     s.add_argument("--json", action="store_true", help="the raw STATUS reply")
     s.add_argument("--timeout-seconds", type=float, default=10.0)
     s.set_defaults(fn=_status)
@@ -159,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "INFO"),
+    logging.basicConfig(level=getattr(args, "log_level", logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args)

@@ -281,7 +281,7 @@ class FakeBackend:
         self.segment_bytes = segment_bytes
         self.read_delay_seconds = read_delay_seconds
 
-    def open_store(self, quota_bytes: int) -> SessionStore:
+    def open_store(self, quota_bytes: int, owner_uid: int = 0) -> SessionStore:
         pool = FakeHostPool(quota_bytes, min(self.segment_bytes, quota_bytes))
         store = FakeTierStore(pool, self.space, self.threads, self.read_delay_seconds)
         return SessionStore(store, pool.segments, store.close)

@@ -15,7 +15,7 @@ import pytest
 
 import csrc.errors
 from daemon.client import TierClient, TierClientConfig
-from daemon.protocol import HEADER, Flag, Kind, encode_frame
+from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Kind, encode_frame
 from tests.daemon.conftest import STORE
 
 TierFullError = getattr(csrc.errors, "TierFullError", None)
@@ -170,7 +170,7 @@ def test_a_thousand_bad_messages_leave_the_daemon_and_others_alone(shared_daemon
     good.wait_for_evict(good.evict(["g"]), timeout_seconds=20)
     good.wait_for_prefetch(good.prefetch(["g"]), timeout_seconds=20)
     assert (np.frombuffer(good.host_view("g"), np.uint8) == 77).all()
-    assert d.proc.poll() is None and d.status()["version"] == 1
+    assert d.proc.poll() is None and d.status()["version"] == PROTOCOL_VERSION
     good.close()
 
 

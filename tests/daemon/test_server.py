@@ -191,7 +191,7 @@ def test_socket_mode_status_table_and_metrics(shared_daemon, capsys):
     assert samples[("offload_swap_bytes_total", (("direction", "write"), ("tier", "nvme")))] == \
         status["bytes_moved"]["write"] > 0
     assert "offload_request_seconds_bucket" in text and "offload_pinned_pool_bytes" in text
-    assert samples[("offload_session_host_bytes", (("job", "table"), ("rank", "5")))] == 8 << 20
+    assert samples[("offload_session_host_bytes", (("job", "table"), ("rank", "5"), ("uid", str(os.getuid()))))] == 8 << 20
     assert samples[("offload_sessions", (("state", "attached"),))] >= 1
 
 

@@ -173,7 +173,7 @@ def pipeline(args, engine_config: IoEngineConfig, path_dir: str, raw_pool: HostP
     engine.register_buffer(raw_pool.segments[0].address, raw_pool.segments[0].nbytes)  # the store registers its pool
     space = SwapSpace(SwapSpaceConfig(paths=[path_dir], capacity_bytes=2 * total), engine=engine)
     raw_fd = space.files[0].fd
-    pool = HostPool(HostPoolConfig(capacity_bytes=total + region))
+    pool = HostPool(HostPoolConfig(capacity_bytes=total + region, huge_pages=args.huge_pages))
     try:
         for c in ("crc32c", "none"):  # one store at a time: each fills the swap space
             store = TierStore(TierStoreConfig(checksum=c, chunk_bytes=args.chunk_mib * MIB), pool=pool,
@@ -275,6 +275,8 @@ def main() -> None:
     ap.add_argument("--fio-shared-memory", action="store_true",
                     help="also run fio io_uring --fixedbufs into shared memory (--iomem=mmapshared), like our pool")
     ap.add_argument("--points", help="only these rw:block:QD:threads points, e.g. read:8m:64:1,write:1m:16:1")
+    ap.add_argument("--huge-pages", default="off", choices=["off", "auto", "hugetlb", "thp"],
+                    help="page size of our pools (swap.HostPoolConfig.huge_pages); hugetlb needs vm.nr_hugepages")
     ap.add_argument("--out", help="also write the markdown report here")
     ap.add_argument("--append", action="store_true", help="append to --out instead of replacing it")
     args = ap.parse_args()
@@ -284,7 +286,8 @@ def main() -> None:
     nbytes = args.measure_mib * MIB
     work = tempfile.mkdtemp(prefix="ofl-bench-swap-", dir=args.dir)
     path = os.path.join(work, "data.bin")
-    pool = HostPool(HostPoolConfig(capacity_bytes=nbytes))
+    pool = HostPool(HostPoolConfig(capacity_bytes=nbytes, huge_pages=args.huge_pages))
+    pages = pool.segments[0].huge  # what huge_pages resolved to here
     fio = shutil.which("fio")
     kinds = [k for k, refused in (("io_uring", aio.io_uring_errno()), ("linux_aio", aio.linux_aio_errno()),
                                    ("threads", 0)) if not refused]
@@ -386,6 +389,7 @@ def main() -> None:
         "cancels the drift of a shared disk better than a ratio of medians",
         "- ours io_uring registers its buffer (as TierStore registers its pool); all our buffers are memfd "
         "shared memory, fio's are its own malloc'd memory",
+        f"- our pools' pages: huge_pages={args.huge_pages!r} -> {pages}",
         "- physical layout of our pool: " + (f"{pool_segments:.1f} contiguous runs per 254 pages (1 = contiguous, "
         "254 = every page apart); see physical_segments() for why it bounds reads on virtio-blk"
         if pool_segments is not None else "unknown (no page frame numbers without CAP_SYS_ADMIN)"),

@@ -1,0 +1,125 @@
+"""The daemon's files in the swap paths: a directory of its own per path, under a lock, and a sweep.
+
+[Note: swap file ownership] Each daemon claims, in every swap path, the lowest free slot
+``n``: it holds an exclusive ``flock`` on ``<path>/ofl-daemon-<n>.lock`` for its whole
+life and keeps its swap file in ``<path>/ofl-daemon-<n>/`` (mode 0700). The kernel drops
+the lock when the process dies, however it dies, so at start a lock file that can be
+locked belongs to a dead daemon: its directory and whatever is in it are removed (the
+*sweep*), along with swap files of the old naming (``ofl-swap-<pid>-<hex>.bin`` directly
+in the path) whose process is gone. Claims and sweeps of one path are serialised by a
+short ``flock`` on ``<path>/.ofl-daemon.lock``, so two daemons starting at once neither
+take the same slot nor sweep each other. ``close`` removes this daemon's directories
+(after the swap space has unlinked its files) and its lock files.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+
+from csrc.errors import SwapIOError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SwapClaim"]
+
+_LOCK = re.compile(r"ofl-daemon-(\d+)\.lock$")
+_OLD_SWAP = re.compile(r"ofl-swap-(\d+)-[0-9a-f]+\.bin$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SwapClaim:
+    """This daemon's directory in each swap path; see [Note: swap file ownership]."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.dirs: list[str] = []
+        self._locks: list[tuple[int, str]] = []
+        try:
+            for path in paths:
+                self._claim(os.path.abspath(path))
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise SwapIOError(errno.ENOENT, f"swap path {path} does not exist or is not a directory")
+        try:
+            guard = os.open(os.path.join(path, ".ofl-daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise SwapIOError(exc.errno, f"swap path {path} is not writable: {exc.strerror}") from exc
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            taken = self._sweep(path)
+            slot = next(n for n in range(len(taken) + 1) if n not in taken)
+            lock_path = os.path.join(path, f"ofl-daemon-{slot}.lock")
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: the sweep just saw it so, under the guard
+            self._locks.append((fd, lock_path))
+            directory = os.path.join(path, f"ofl-daemon-{slot}")
+            os.mkdir(directory, 0o700)
+            self.dirs.append(directory)
+        finally:
+            os.close(guard)  # releases the guard
+        logger.info("swap path %s: this daemon's files go in %s", path, directory)
+
+    @staticmethod
+    def _sweep(path: str) -> set[int]:
+        """Remove what dead daemons left in ``path``; returns the slots live daemons hold."""
+        taken: set[int] = set()
+        for name in os.listdir(path):
+            full = os.path.join(path, name)
+            lock = _LOCK.match(name)
+            if lock:
+                try:
+                    fd = os.open(full, os.O_RDWR | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    taken.add(int(lock.group(1)))  # a live daemon holds it
+                    continue
+                finally:
+                    os.close(fd)
+                stale = full[: -len(".lock")]
+                if os.path.isdir(stale):
+                    freed = sum(e.stat().st_blocks * 512 for e in os.scandir(stale) if e.is_file())
+                    shutil.rmtree(stale, ignore_errors=True)
+                    logger.warning("swept %s, left by a daemon that is gone (%d bytes)", stale, freed)
+                os.unlink(full)
+            else:
+                old = _OLD_SWAP.match(name)
+                if old and not _pid_alive(int(old.group(1))):
+                    os.unlink(full)
+                    logger.warning("swept %s, left by process %s that is gone", full, old.group(1))
+        for name in os.listdir(path):  # a directory whose lock file is gone: left by a crash mid-claim
+            m = re.match(r"ofl-daemon-(\d+)$", name)
+            if m and int(m.group(1)) not in taken and os.path.isdir(os.path.join(path, name)):
+                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        return taken
+
+    def close(self) -> None:
+        """Remove this daemon's directories and lock files (the swap space must be closed first). Idempotent."""
+        for directory in self.dirs:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.dirs = []
+        for fd, lock_path in self._locks:
+            try:
+                os.unlink(lock_path)
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self._locks = []
