@@ -5,7 +5,6 @@ cffi at install; see ``csrc/ofl_adam.h``.
 """
 from cpu_adam.kernels import (
     AdamConfig,
-    AdamPlan,
     Isa,
     adam_step,
     available_isas,
@@ -14,6 +13,7 @@ from cpu_adam.kernels import (
     resolve_isa,
 )
 from cpu_adam.optimizer import CPUAdam, CPUAdamW
+from cpu_adam.plan import AdamPlan
 
 __all__ = [
     "AdamConfig",

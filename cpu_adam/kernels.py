@@ -16,9 +16,11 @@ from __future__ import annotations
 import array
 import dataclasses
 import enum
+import itertools
 import logging
+import operator
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -29,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "AdamConfig",
-    "AdamPlan",
     "Isa",
     "adam_step",
     "available_isas",
@@ -66,10 +67,20 @@ def available_isas() -> list[Isa]:
     return [isa for isa in (Isa.SCALAR, Isa.AVX2, Isa.AVX512) if lib.ofl_adam_isa_supported(isa)]
 
 
-def resolve_isa(isa: Isa | str | None) -> Isa:
+_RESOLVED: dict[Isa | str | int, Isa] = {}  # what resolve_isa was asked -> its answer (the CPU does not change)
+
+
+def resolve_isa(isa: Isa | str | int | None) -> Isa:
     """Turn a name, an ``Isa`` or None (the ``OFFLOAD_CPU_ADAM_ISA`` variable, else AUTO) into a concrete path."""
     if isa is None:
         isa = os.environ.get(ISA_ENV, "auto")
+    known = _RESOLVED.get(isa)
+    if known is None:
+        known = _RESOLVED[isa] = _resolve_uncached(isa)
+    return known
+
+
+def _resolve_uncached(isa: Isa | str | int) -> Isa:
     if isinstance(isa, str):
         try:
             isa = Isa[isa.strip().upper()]
@@ -128,26 +139,45 @@ class AdamConfig:
         resolve_isa(self.isa)  # fail at construction, not at the first step
 
 
-def _addresses(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | None,
-               numels: Sequence[int] | None) -> array.array:
-    """Check every tensor and return their addresses as a uint64 array.
+_DTYPE = operator.attrgetter("dtype")
+_IS_CPU = operator.attrgetter("is_cpu")
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_NUMEL = torch.Tensor.numel
+_DATA_PTR = torch.Tensor.data_ptr
 
-    This runs for every tensor of every step, so each check is the cheapest torch
-    offers (``is_cpu``, not ``device.type``) and the slow path only builds the message.
+
+def checked_addresses(tensors: Sequence[torch.Tensor], dtype: torch.dtype,
+                      numels: list[int] | None) -> list[int] | None:
+    """The addresses of ``tensors`` if each is a contiguous CPU tensor of ``dtype`` (and, unless
+    ``numels`` is None, of that many elements); None if any check fails.
+
+    [Note: checks per tensor]
+    These run for every tensor of every step, so each check is one pass of ``map`` over the
+    list with the cheapest accessor torch offers (``is_cpu``, not ``device.type``): about
+    40 ns a tensor and check, where a loop testing every condition per tensor costs several
+    times that. The slow path (``explain``) runs only after a failure, to name the tensor.
     """
-    addrs = array.array("Q", [t.data_ptr() for t in tensors])
-    ok = all(t.is_cpu and t.is_contiguous() for t in tensors)
-    if ok and dtype is not None:
-        ok = all(t.dtype == dtype for t in tensors)
-    if ok and numels is not None:
-        ok = [t.numel() for t in tensors] == list(numels)
-    if not ok:
-        _explain(tensors, what, dtype, numels)
-    return addrs
+    try:
+        ok = (all(map(_IS_CPU, tensors)) and all(map(_CONTIGUOUS, tensors))
+              and all(map(operator.is_, map(_DTYPE, tensors), itertools.repeat(dtype)))
+              and (numels is None or list(map(_NUMEL, tensors)) == numels))
+    except RuntimeError:  # e.g. a sparse tensor has no is_contiguous(); named by explain()
+        return None
+    return list(map(_DATA_PTR, tensors)) if ok else None
 
 
-def _explain(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | None,
-             numels: Sequence[int] | None) -> None:
+def address_array(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype,
+               numels: list[int] | None) -> array.array:
+    """Check every tensor and return their addresses as a uint64 array, or raise naming the first bad one."""
+    addrs = checked_addresses(tensors, dtype, numels)
+    if addrs is None:
+        explain(tensors, what, dtype, numels)
+        raise ConfigError(f"a tensor of {what} failed the argument checks")  # not reached
+    return array.array("Q", addrs)
+
+
+def explain(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | None,
+            numels: Sequence[int] | None) -> None:
     """Raise for the first tensor that fails a check (the slow path of the checks)."""
     for i, t in enumerate(tensors):
         if t.layout != torch.strided:
@@ -162,63 +192,12 @@ def _explain(tensors: Sequence[torch.Tensor], what: str, dtype: torch.dtype | No
             raise ConfigError(f"{what}[{i}] has {t.numel()} elements, its param has {numels[i]}")
 
 
-def _dtype_code(tensors: Sequence[torch.Tensor], what: str) -> int:
-    dtype = tensors[0].dtype
-    if dtype not in _DTYPE_CODES:
-        raise ConfigError(f"{what} have dtype {dtype}; supported: float32, bfloat16, float16")
-    return _DTYPE_CODES[dtype]
-
-
-def _collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out):
-    """Check all tensors of one step in a single pass; return their address arrays and numels.
-
-    This runs for every tensor of every step, so it is one loop with the cheapest
-    checks torch offers (``is_cpu``, not ``device.type``); on any failure the slow
-    path finds the first bad tensor and names it.
-    """
-    f32 = torch.float32
-    gdt = grads[0].dtype
-    odt = params_out[0].dtype if params_out is not None else None
-    cols: list[list[int]] = [[], [], [], [], [], []]
-    numels: list[int] = []
-    outs = params_out if params_out is not None else grads  # zip partner; unused without outs
-    try:
-        _collect_into(cols, numels, f32, gdt, odt, zip(params, grads, exp_avgs, exp_avg_sqs, steps, outs))
-    except RuntimeError:  # e.g. a sparse tensor has no is_contiguous(); named below
-        pass
-    if len(numels) != len(params):  # name the first offender
-        want = [t.numel() for t in params]
-        _explain(params, "params", f32, None)
-        _explain(grads, "grads", gdt, want)
-        _explain(exp_avgs, "exp_avgs", f32, want)
-        _explain(exp_avg_sqs, "exp_avg_sqs", f32, want)
-        _explain(steps, "steps", f32, [1] * len(params))
-        _explain(params_out or [], "params_out", odt, want)
-        raise ConfigError("a tensor of this step failed the argument checks")  # not reached
-    return [array.array("Q", c) for c in cols], array.array("q", numels)
-
-
-def _collect_into(cols, numels, f32, gdt, odt, rows) -> None:
-    """The fast path of ``_collect``: stops at the first tensor that fails a check."""
-    cp, cg, cm, cv, cs, co = cols
-    for p, g, m, v, s, o in rows:
-        n = p.numel()
-        if not (p.dtype == f32 and m.dtype == f32 and v.dtype == f32 and s.dtype == f32
-                and g.dtype == gdt and p.is_cpu and g.is_cpu and m.is_cpu and v.is_cpu and s.is_cpu
-                and p.is_contiguous() and g.is_contiguous() and m.is_contiguous()
-                and v.is_contiguous() and g.numel() == n and m.numel() == n and v.numel() == n
-                and s.numel() == 1):
-            break
-        if odt is not None:
-            if not (o.dtype == odt and o.is_cpu and o.is_contiguous() and o.numel() == n):
-                break
-            co.append(o.data_ptr())
-        numels.append(n)
-        cp.append(p.data_ptr())
-        cg.append(g.data_ptr())
-        cm.append(m.data_ptr())
-        cv.append(v.data_ptr())
-        cs.append(s.data_ptr())
+def dtype_code(tensors: Sequence[torch.Tensor], what: str) -> int:
+    """The OFL_DTYPE_* code of the first tensor's dtype, or ConfigError if the kernels have none."""
+    code = _DTYPE_CODES.get(tensors[0].dtype)
+    if code is None:
+        raise ConfigError(f"{what} have dtype {tensors[0].dtype}; supported: float32, bfloat16, float16")
+    return code
 
 
 def adam_step(
@@ -238,6 +217,7 @@ def adam_step(
     dtype among float32/bfloat16/float16, multiplied by ``grad_scale`` first. ``steps``:
     one-element float32 tensors, each incremented by one. ``params_out``: optional
     bfloat16/float16/float32 tensors that receive the updated params in the same pass.
+    For many calls over the same buffers, ``AdamPlan`` checks them once.
     """
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
@@ -248,17 +228,98 @@ def adam_step(
             raise ConfigError(f"{what} has {len(seq)} tensors, params has {n}")
     if n == 0:
         return False
-    grad_code = _dtype_code(grads, "grads")
-    out_code = _dtype_code(params_out, "params_out") if params_out is not None else lib.OFL_DTYPE_NONE
-    (cp, cg, cm, cv, cs, co), numels = _collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out)
-
-    return _call_adam(config, grad_scale, grad_code, out_code, [cp, cg, cm, cv, cs],
-                      co if params_out is not None else None, numels)
+    grad_code = dtype_code(grads, "grads")
+    out_code = dtype_code(params_out, "params_out") if params_out is not None else lib.OFL_DTYPE_NONE
+    tensors = build_tensors(*_collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out))
+    return call_adam(config, grad_scale, grad_code, out_code, tensors)
 
 
-def _call_adam(config: AdamConfig, grad_scale: float, grad_code: int, out_code: int,
-               cols: list[array.array], outs: array.array | None, numels: array.array) -> bool:
-    """The one call of ofl_adam_step; cols are the param, grad, exp_avg, exp_avg_sq, step addresses."""
+def _collect(params, grads, exp_avgs, exp_avg_sqs, steps, params_out):
+    """Check all tensors of one step in a single pass; return their address arrays (outs:
+    None when absent) and numels.
+
+    One loop over the rows, each test the cheapest torch offers (``is_cpu``, not
+    ``device.type``; ``is`` for dtypes, which are singletons): for the few large tensors of
+    an engine call this costs less than a ``map`` per column ([Note: checks per tensor]),
+    and as little for many. On any failure the slow path names the first bad tensor.
+    """
+    f32 = torch.float32
+    gdt = grads[0].dtype
+    odt = params_out[0].dtype if params_out is not None else None
+    cols: list[list[int]] = [[], [], [], [], [], []]
+    numels: list[int] = []
+    outs = params_out if params_out is not None else grads  # zip partner; unused without outs
+    try:
+        _collect_into(cols, numels, f32, gdt, odt, zip(params, grads, exp_avgs, exp_avg_sqs, steps, outs))
+    except RuntimeError:  # e.g. a sparse tensor has no is_contiguous(); named below
+        pass
+    if len(numels) != len(params):  # name the first offender
+        want = [t.numel() for t in params]
+        explain(params, "params", f32, None)
+        explain(grads, "grads", gdt, want)
+        explain(exp_avgs, "exp_avgs", f32, want)
+        explain(exp_avg_sqs, "exp_avg_sqs", f32, want)
+        explain(steps, "steps", f32, [1] * len(params))
+        explain(params_out or [], "params_out", odt, want)
+        raise ConfigError("a tensor of this step failed the argument checks")  # not reached
+    outs_addrs = array.array("Q", cols[5]) if params_out is not None else None
+    return [array.array("Q", c) for c in cols[:5]], outs_addrs, array.array("q", numels)
+
+
+def _collect_into(cols, numels, f32, gdt, odt, rows) -> None:
+    """The fast path of ``_collect``: stops at the first tensor that fails a check."""
+    cp, cg, cm, cv, cs, co = cols
+    for p, g, m, v, s, o in rows:
+        n = p.numel()
+        if not (p.dtype is f32 and m.dtype is f32 and v.dtype is f32 and s.dtype is f32
+                and g.dtype is gdt and p.is_cpu and g.is_cpu and m.is_cpu and v.is_cpu and s.is_cpu
+                and p.is_contiguous() and g.is_contiguous() and m.is_contiguous()
+                and v.is_contiguous() and g.numel() == n and m.numel() == n and v.numel() == n
+                and s.numel() == 1):
+            break
+        if odt is not None:
+            if not (o.dtype is odt and o.is_cpu and o.is_contiguous() and o.numel() == n):
+                break
+            co.append(o.data_ptr())
+        numels.append(n)
+        cp.append(p.data_ptr())
+        cg.append(g.data_ptr())
+        cm.append(m.data_ptr())
+        cv.append(v.data_ptr())
+        cs.append(s.data_ptr())
+
+
+def build_tensors(cols: list[array.array], outs: array.array | None, numels: array.array) -> Any:
+    """An ofl_adam_tensors struct over address arrays (param, grad, exp_avg, exp_avg_sq, step).
+
+    The struct holds raw pointers into the arrays, so it is returned with them: a tuple of
+    the struct and everything it points into, kept together for as long as it is used.
+    """
+    keep = [ffi.from_buffer("uint64_t[]", c) for c in cols]
+    tens = ffi.new("ofl_adam_tensors *")
+    tens.param, tens.grad, tens.exp_avg, tens.exp_avg_sq, tens.step = keep
+    if outs is not None:
+        keep.append(ffi.from_buffer("uint64_t[]", outs))
+        tens.param_out = keep[-1]
+    keep.append(ffi.from_buffer("int64_t[]", numels))
+    tens.numel = keep[-1]
+    tens.count = len(numels)
+    return tens, keep, cols, outs, numels
+
+
+_TEMPLATES: dict[int, tuple[AdamConfig, Any]] = {}  # id(config) -> (config, ofl_adam_config)
+_TEMPLATES_MAX = 64
+
+
+def _template(config: AdamConfig) -> Any:
+    """The C struct of a config's hyperparameters and ISA, built once per config object.
+
+    Entries hold their config, so an id is never reused while its entry lives; the table
+    is emptied when full (a scheduler makes a config per step).
+    """
+    entry = _TEMPLATES.get(id(config))
+    if entry is not None and entry[0] is config:
+        return entry[1]
     cfg = ffi.new("ofl_adam_config *")
     cfg.lr = config.lr
     cfg.beta1 = config.beta1
@@ -267,81 +328,23 @@ def _call_adam(config: AdamConfig, grad_scale: float, grad_code: int, out_code: 
     cfg.weight_decay = config.weight_decay
     cfg.adamw_mode = int(config.adamw_mode)
     cfg.bias_correction = int(config.bias_correction)
+    cfg.isa = resolve_isa(config.isa)
+    if len(_TEMPLATES) >= _TEMPLATES_MAX:
+        _TEMPLATES.clear()
+    _TEMPLATES[id(config)] = (config, cfg)
+    return cfg
+
+
+def call_adam(config: AdamConfig, grad_scale: float, grad_code: int, out_code: int, tensors: tuple) -> bool:
+    """The one call of ofl_adam_step, over a struct from ``build_tensors``."""
+    cfg = ffi.new("ofl_adam_config *", _template(config)[0])
     cfg.grad_scale = grad_scale
     cfg.grad_dtype = grad_code
     cfg.out_dtype = out_code
-    cfg.isa = resolve_isa(config.isa)
     cfg.num_threads = config.num_threads or default_num_threads()
-
-    keep = [ffi.from_buffer("uint64_t[]", c) for c in cols]
-    tens = ffi.new("ofl_adam_tensors *")
-    tens.param, tens.grad, tens.exp_avg, tens.exp_avg_sq, tens.step = keep
-    if outs is not None:
-        keep.append(ffi.from_buffer("uint64_t[]", outs))
-        tens.param_out = keep[-1]
-    numel_buf = ffi.from_buffer("int64_t[]", numels)
-    tens.numel = numel_buf
-    tens.count = len(numels)
     nonfinite = ffi.new("int32_t *")
-    raise_errno(lib.ofl_adam_step(cfg, tens, nonfinite), "ofl_adam_step")
+    raise_errno(lib.ofl_adam_step(cfg, tensors[0], nonfinite), "ofl_adam_step")
     return bool(nonfinite[0])
-
-
-class AdamPlan:
-    """A checked address table of params and their Adam state, built once and stepped many times.
-
-    Building it checks every tensor. Each ``step`` then checks only what changes between
-    steps: the gradients (new tensors after every backward). ``matches`` tells whether the
-    table still describes a list of params (the same tensors, at the same addresses,
-    still contiguous); ``CPUAdam`` rebuilds the table when it does not, and whenever it
-    loads a state dict, since the state tensors are then new.
-    """
-
-    def __init__(self, params: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
-                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]) -> None:
-        n = len(params)
-        for what, seq in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
-            if len(seq) != n:
-                raise ConfigError(f"{what} has {len(seq)} tensors, params has {n}")
-        numels = [p.numel() for p in params]
-        f32 = torch.float32
-        self._params = list(params)
-        self._state = (list(exp_avgs), list(exp_avg_sqs), list(steps))  # keeps the memory alive
-        self._param_addrs = _addresses(params, "params", f32, None)
-        self._addrs = [
-            self._param_addrs,
-            _addresses(exp_avgs, "exp_avgs", f32, numels),
-            _addresses(exp_avg_sqs, "exp_avg_sqs", f32, numels),
-            _addresses(steps, "steps", f32, [1] * n),
-        ]
-        self._numels = array.array("q", numels)
-
-    def matches(self, params: Sequence[torch.Tensor]) -> bool:
-        """True if ``params`` are this table's tensors, unmoved and contiguous."""
-        mine = self._params
-        return (len(params) == len(mine) and all(a is b for a, b in zip(params, mine))
-                and all(p.is_contiguous() for p in params)
-                and array.array("Q", [p.data_ptr() for p in params]) == self._param_addrs)
-
-    def step(self, grads: Sequence[torch.Tensor], *, config: AdamConfig, grad_scale: float = 1.0) -> bool:
-        """One Adam step of every param of the table; True if a scaled gradient was not finite."""
-        n = len(self._params)
-        if len(grads) != n:
-            raise ConfigError(f"grads has {len(grads)} tensors, the plan has {n} params")
-        if n == 0:
-            return False
-        gdt = grads[0].dtype
-        code = _dtype_code(grads, "grads")
-        try:
-            ok = all(g.dtype == gdt and g.is_cpu and g.is_contiguous() for g in grads)
-        except RuntimeError:  # sparse tensors have no is_contiguous()
-            ok = False
-        addrs = array.array("Q", [g.data_ptr() for g in grads]) if ok else None
-        if not ok or array.array("q", [g.numel() for g in grads]) != self._numels:
-            _explain(grads, "grads", gdt, self._numels)
-            raise ConfigError("a gradient failed the argument checks")  # not reached
-        return _call_adam(config, grad_scale, code, lib.OFL_DTYPE_NONE,
-                          [self._addrs[0], addrs, *self._addrs[1:]], None, self._numels)
 
 
 def grad_sumsq(grads: Sequence[torch.Tensor], *, num_threads: int | None = None,
@@ -349,12 +352,17 @@ def grad_sumsq(grads: Sequence[torch.Tensor], *, num_threads: int | None = None,
     """Sum of squares (in double) of all gradients; inf or NaN means some gradient was not finite."""
     if not grads:
         return 0.0
-    code = _dtype_code(grads, "grads")
-    addrs = _addresses(grads, "grads", grads[0].dtype, None)
-    numels = array.array("q", [g.numel() for g in grads])
+    code = dtype_code(grads, "grads")
+    addrs = address_array(grads, "grads", grads[0].dtype, None)
+    return call_sumsq(addrs, array.array("q", map(_NUMEL, grads)), code, num_threads=num_threads, isa=isa)
+
+
+def call_sumsq(addrs: array.array, numels: array.array, code: int, *, num_threads: int | None,
+               isa: Isa | str | None) -> float:
+    """The one call of ofl_grad_sumsq, over checked address and length arrays."""
     out = ffi.new("double *")
     rc = lib.ofl_grad_sumsq(ffi.from_buffer("uint64_t[]", addrs), ffi.from_buffer("int64_t[]", numels),
-                            len(grads), code, resolve_isa(isa), num_threads or default_num_threads(), out)
+                            len(addrs), code, resolve_isa(isa), num_threads or default_num_threads(), out)
     raise_errno(rc, "ofl_grad_sumsq")
     return float(out[0])
 
@@ -363,7 +371,7 @@ def stream_inplace(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.T
                    num_threads: int | None = None) -> None:
     """Roofline probe with Adam's traffic: a += b; c += b; d += b over float32 tensors."""
     tensors = [a, b, c, d]
-    _addresses(tensors, "stream operands", torch.float32, [a.numel()] * 4)
+    address_array(tensors, "stream operands", torch.float32, [a.numel()] * 4)
     rc = lib.ofl_stream_inplace(ffi.cast("float *", a.data_ptr()), ffi.cast("float *", b.data_ptr()),
                                 ffi.cast("float *", c.data_ptr()), ffi.cast("float *", d.data_ptr()),
                                 a.numel(), num_threads or default_num_threads())

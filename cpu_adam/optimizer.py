@@ -8,17 +8,23 @@ and this does not (AMSGrad, maximize) is an error, never ignored.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import operator
 from typing import Any, Callable, Iterable
 
 import torch
 
 from csrc import ConfigError
-from cpu_adam.kernels import AdamConfig, AdamPlan, Isa, resolve_isa
+from cpu_adam.kernels import AdamConfig, Isa, resolve_isa
+from cpu_adam.plan import AdamPlan
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CPUAdam", "CPUAdamW"]
+
+_GRAD = operator.attrgetter("grad")
+_NONES = itertools.repeat(None)
 
 _UNSUPPORTED = {
     "amsgrad": "AMSGrad is not implemented by CPUAdam; use torch.optim.AdamW(amsgrad=True)",
@@ -57,6 +63,7 @@ class CPUAdam(torch.optim.Optimizer):
         self._isa = resolve_isa(isa)
         self._num_threads = num_threads
         self._plans: dict[int, AdamPlan] = {}  # group index -> checked address table
+        self._configs: dict[int, tuple[tuple, AdamConfig]] = {}  # group index -> (its values, their config)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -85,6 +92,7 @@ class CPUAdam(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._plans = {}  # the state tensors may be new
+        self._configs = {}
         for group in self.param_groups:
             group.setdefault("decoupled_weight_decay", True)
             group.setdefault("bias_correction", True)
@@ -102,6 +110,17 @@ class CPUAdam(torch.optim.Optimizer):
                 if group.get(key):
                     raise ConfigError(f"param group {i} of the state has {key}=True: {why}")
         super().load_state_dict(state_dict)
+
+    def _cached_config(self, index: int, group: dict[str, Any]) -> AdamConfig:
+        """The group's config, made anew only when a value changed (a scheduler moves lr)."""
+        key = (group["lr"], group["betas"], group["eps"], group["weight_decay"],
+               group["decoupled_weight_decay"], group["bias_correction"], group["amsgrad"], group["maximize"])
+        cached = self._configs.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        config = self._group_config(group)
+        self._configs[index] = (key, config)
+        return config
 
     def _group_config(self, group: dict[str, Any]) -> AdamConfig:
         for key, why in _UNSUPPORTED.items():
@@ -127,14 +146,18 @@ class CPUAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            params = group["params"]
+            grads = list(map(_GRAD, params))
+            if any(map(operator.is_, grads, _NONES)):
+                params = [p for p, g in zip(params, grads) if g is not None]
+                grads = [g for g in grads if g is not None]
             if not params:
                 continue
-            config = self._group_config(group)
+            config = self._cached_config(index, group)
             plan = self._plans.get(index)
             if plan is None or not plan.matches(params):
                 plan = self._plans[index] = self._make_plan(params)
-            plan.step([p.grad for p in params], config=config)
+            plan.step(grads, config=config)
         return loss
 
     def _make_plan(self, params: list[torch.Tensor]) -> AdamPlan:

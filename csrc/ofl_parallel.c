@@ -1,9 +1,124 @@
+/* The worker pool and the chunked loop; see [Note: the worker pool] and
+ * [Note: static shares with stealing] in ofl_parallel.h. Linux only (futexes). */
+#define _GNU_SOURCE
 #include "ofl_parallel.h"
 
+#include <linux/futex.h>
 #include <pthread.h>
-#include <stdlib.h>
+#include <signal.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
-#define OFL_MAX_THREADS 256
+/* Workers run kernels and little else; their stacks need not be the default 8 MiB. */
+#define OFL_WORKER_STACK_BYTES (1 << 20)
+/* How often the caller looks at its workers before it sleeps until they are done:
+ * with stealing they finish within about one chunk of the caller (tens of microseconds). */
+#define OFL_CALLER_SPINS 4096
+
+static void futex_wait(uint32_t *word, uint32_t expected) {
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static void futex_wake(uint32_t *word, int32_t waiters) {
+    syscall(SYS_futex, word, FUTEX_WAKE_PRIVATE, waiters, NULL, NULL, 0);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+typedef struct {
+    _Alignas(64) uint32_t wake; /* futex word: the caller bumps it to start this worker */
+} ofl_worker;
+
+static struct {
+    pthread_mutex_t lock; /* held by the call that is using the pool */
+    int32_t started;      /* workers 1..started exist */
+    ofl_task_fn fn;       /* the current call, read by workers after their wake-up */
+    void *ctx;
+    int32_t count;
+    _Alignas(64) uint32_t pending; /* workers of the current call still running */
+    ofl_worker workers[OFL_MAX_THREADS];
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+/* In a forked child only the forking thread exists: forget the parent's workers. */
+static void pool_after_fork_in_child(void) {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    pool.lock = fresh;
+    pool.started = 0;
+    pool.pending = 0;
+    for (int32_t i = 0; i < OFL_MAX_THREADS; i++) pool.workers[i].wake = 0;
+}
+
+static void pool_init_once(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
+
+static void *worker_main(void *arg) {
+    int32_t index = (int32_t)(intptr_t)arg;
+    uint32_t *wake = &pool.workers[index].wake;
+    uint32_t seen = 0; /* the value grow_pool set: a call may bump it before this line runs */
+    for (;;) {
+        uint32_t now;
+        while ((now = __atomic_load_n(wake, __ATOMIC_ACQUIRE)) == seen) futex_wait(wake, seen);
+        seen = now;
+        pool.fn(pool.ctx, index, pool.count);
+        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL) == 0) futex_wake(&pool.pending, 1);
+    }
+    return NULL;
+}
+
+/* Creates a thread with every signal blocked; 0 on success. */
+static int32_t spawn(void *(*main_fn)(void *), void *arg, int detached, pthread_t *out) {
+    pthread_attr_t attr;
+    if (pthread_attr_init(&attr) != 0) return -1;
+    pthread_attr_setstacksize(&attr, OFL_WORKER_STACK_BYTES);
+    if (detached) pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_t thread;
+    int rc = pthread_create(&thread, &attr, main_fn, arg);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc == 0 && out) *out = thread;
+    return rc == 0 ? 0 : -1;
+}
+
+/* Pool lock held. Grows the pool toward `count - 1` workers; returns how many exist. */
+static int32_t grow_pool(int32_t count) {
+    while (pool.started < count - 1) {
+        int32_t index = pool.started + 1;
+        pool.workers[index].wake = 0;
+        if (spawn(worker_main, (void *)(intptr_t)index, 1, NULL) != 0) break;
+        pool.started = index;
+    }
+    return pool.started;
+}
+
+static void run_on_pool(ofl_task_fn fn, void *ctx, int32_t count) {
+    int32_t workers = grow_pool(count);
+    int32_t helped = workers < count - 1 ? workers : count - 1;
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.count = count;
+    __atomic_store_n(&pool.pending, (uint32_t)helped, __ATOMIC_RELEASE);
+    for (int32_t i = 1; i <= helped; i++) {
+        __atomic_add_fetch(&pool.workers[i].wake, 1, __ATOMIC_RELEASE);
+        futex_wake(&pool.workers[i].wake, 1);
+    }
+    fn(ctx, 0, count);
+    for (int32_t i = helped + 1; i < count; i++) fn(ctx, i, count); /* no thread for these */
+    uint32_t left;
+    for (int32_t spin = 0; spin < OFL_CALLER_SPINS; spin++) {
+        if (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) == 0) return;
+        cpu_relax();
+    }
+    while ((left = __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE)) != 0) futex_wait(&pool.pending, left);
+}
 
 typedef struct {
     ofl_task_fn fn;
@@ -18,15 +133,14 @@ static void *run_task(void *arg) {
     return NULL;
 }
 
-void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count) {
-    if (count < 1) return;
-    if (count > OFL_MAX_THREADS) count = OFL_MAX_THREADS;
+/* The pool is in use by another call: threads of this call's own, joined before returning. */
+static void run_on_new_threads(ofl_task_fn fn, void *ctx, int32_t count) {
     pthread_t threads[OFL_MAX_THREADS];
     ofl_task tasks[OFL_MAX_THREADS];
     int started[OFL_MAX_THREADS];
     for (int32_t i = 1; i < count; i++) {
         tasks[i] = (ofl_task){fn, ctx, i, count};
-        started[i] = pthread_create(&threads[i], NULL, run_task, &tasks[i]) == 0;
+        started[i] = spawn(run_task, &tasks[i], 0, &threads[i]) == 0;
     }
     fn(ctx, 0, count);
     for (int32_t i = 1; i < count; i++) {
@@ -35,24 +149,85 @@ void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count) {
     }
 }
 
+void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count) {
+    if (count < 1) count = 1;
+    if (count > OFL_MAX_THREADS) count = OFL_MAX_THREADS;
+    if (count == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    pthread_once(&pool_once, pool_init_once);
+    if (pthread_mutex_trylock(&pool.lock) != 0) {
+        run_on_new_threads(fn, ctx, count);
+        return;
+    }
+    run_on_pool(fn, ctx, count);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* ---- chunks: one contiguous run per worker, then stealing from the back ---- */
+
+typedef struct {
+    _Alignas(64) uint64_t range; /* next chunk to take from the front | (end << 32) */
+} ofl_share;
+
 typedef struct {
     ofl_chunk_fn fn;
     void *ctx;
     int64_t total;
     int64_t chunk;
-    int64_t next; /* next chunk index to claim; atomic */
+    ofl_share *shares;
 } ofl_chunk_job;
 
-static void claim_chunks(void *arg, int32_t index, int32_t count) {
-    ofl_chunk_job *job = (ofl_chunk_job *)arg;
-    (void)index;
-    (void)count;
+static int take_front(ofl_share *s, int64_t *k) {
+    uint64_t r = __atomic_load_n(&s->range, __ATOMIC_RELAXED);
     for (;;) {
-        int64_t k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        int64_t lo = k * job->chunk;
-        if (lo >= job->total) return;
-        int64_t hi = lo + job->chunk < job->total ? lo + job->chunk : job->total;
-        job->fn(job->ctx, k, lo, hi);
+        uint32_t front = (uint32_t)r, end = (uint32_t)(r >> 32);
+        if (front >= end) return 0;
+        uint64_t next = ((uint64_t)end << 32) | (front + 1u);
+        if (__atomic_compare_exchange_n(&s->range, &r, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *k = front;
+            return 1;
+        }
+    }
+}
+
+static int take_back(ofl_share *s, int64_t *k) {
+    uint64_t r = __atomic_load_n(&s->range, __ATOMIC_RELAXED);
+    for (;;) {
+        uint32_t front = (uint32_t)r, end = (uint32_t)(r >> 32);
+        if (front >= end) return 0;
+        uint64_t next = ((uint64_t)(end - 1u) << 32) | front;
+        if (__atomic_compare_exchange_n(&s->range, &r, next, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *k = end - 1u;
+            return 1;
+        }
+    }
+}
+
+static void run_chunk(const ofl_chunk_job *job, int64_t k) {
+    int64_t lo = k * job->chunk;
+    int64_t hi = lo + job->chunk < job->total ? lo + job->chunk : job->total;
+    job->fn(job->ctx, k, lo, hi);
+}
+
+static void walk_and_steal(void *arg, int32_t index, int32_t count) {
+    ofl_chunk_job *job = (ofl_chunk_job *)arg;
+    int64_t k;
+    while (take_front(&job->shares[index], &k)) run_chunk(job, k);
+    for (;;) { /* own run done: help the run with the most left, from its back */
+        int32_t victim = -1;
+        uint32_t most = 0;
+        for (int32_t j = 0; j < count; j++) {
+            uint64_t r = __atomic_load_n(&job->shares[j].range, __ATOMIC_RELAXED);
+            uint32_t front = (uint32_t)r, end = (uint32_t)(r >> 32);
+            if (end > front && end - front > most) {
+                most = end - front;
+                victim = j;
+            }
+        }
+        if (victim < 0) return;
+        if (take_back(&job->shares[victim], &k)) run_chunk(job, k);
     }
 }
 
@@ -61,6 +236,20 @@ void ofl_parallel_chunks(ofl_chunk_fn fn, void *ctx, int64_t total, int64_t chun
     if (total <= 0 || chunk <= 0) return;
     int64_t chunks = (total + chunk - 1) / chunk;
     if (threads > chunks) threads = (int32_t)chunks;
-    ofl_chunk_job job = {fn, ctx, total, chunk, 0};
-    ofl_parallel_run(claim_chunks, &job, threads);
+    if (threads > OFL_MAX_THREADS) threads = OFL_MAX_THREADS;
+    if (threads <= 1 || chunks > (int64_t)UINT32_MAX) { /* one thread: the chunks in order */
+        for (int64_t k = 0; k < chunks; k++) {
+            int64_t lo = k * chunk;
+            fn(ctx, k, lo, lo + chunk < total ? lo + chunk : total);
+        }
+        return;
+    }
+    ofl_share shares[OFL_MAX_THREADS];
+    for (int32_t i = 0; i < threads; i++) {
+        uint64_t front = (uint64_t)(chunks * i / threads);
+        uint64_t end = (uint64_t)(chunks * (i + 1) / threads);
+        shares[i].range = (end << 32) | front;
+    }
+    ofl_chunk_job job = {fn, ctx, total, chunk, shares};
+    ofl_parallel_run(walk_and_steal, &job, threads);
 }

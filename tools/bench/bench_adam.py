@@ -1,22 +1,26 @@
-"""CPU Adam: ours against torch.optim.AdamW (fused and foreach) and the memory roofline.
+"""CPU Adam: ours against torch.optim.AdamW(fused=True) and the memory roofline.
 
-Every case is measured in rounds; each round runs every contender once, in an order that
-rotates from round to round, so bandwidth drift hits all of them alike. Reported: the
-median over rounds of params/s, the effective GB/s at Adam's 28 bytes a param (p, g, m, v
-read; p, m, v written), and the median of the per-round ratios.
+Every case is measured in rounds; each round runs every contender once (a block of
+steps), in an order that rotates from round to round, so bandwidth drift and the other
+work on a shared machine hit all of them alike. Reported per contender: the median over
+rounds of Mparams/s and the effective GB/s at Adam's bytes a param; per pair: the median
+of the per-round ratios with their 10th-90th percentile and min-max spread.
 
-The roofline is measured in the same run: an in-place streaming pass (C, same threads)
-over four float32 arrays of the same total size that moves exactly Adam's 28 bytes a param.
+The roofline is measured in the same rounds: an in-place streaming pass (C, same threads,
+same thread pool) over four float32 arrays of the same total size that moves exactly
+Adam's 28 bytes a param. Where the arrays fit in the last-level cache it is a cache
+figure, not a memory one, and ours / roofline there is not an efficiency.
 
-Cases:
-  fp32  N params as 1 tensor and as 100 tensors: CPUAdam.step() against AdamW(fused=True)
-        and AdamW(foreach=True), all through the optimizer API.
+Cases (a shape is "N params x T tensors", the params split evenly):
+  fp32  CPUAdam.step() against AdamW(fused=True) (and with --foreach AdamW(foreach=True)),
+        all through the optimizer API.
   bf16  the offload step: bf16 grads in, scaled, fp32 master and moments updated, a bf16
         copy of the new params out. Ours is one cpu_adam.adam_step call; torch's is the
         fastest of two equivalent sequences (convert grads, fused AdamW with or without its
         own grad_scale, copy params to bf16), each timed whole.
 
-Usage: python tools/bench/bench_adam.py [--sizes 1e6 1e7 1e8] [--rounds 7] [--out FILE]
+Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8]
+       [--rounds R] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import os
 import platform
 import statistics
 import sys
@@ -39,6 +44,12 @@ from cpu_adam.kernels import stream_inplace  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, WD, SCALE = 1e-4, 0.01, 1.0 / 1024.0
+SAMPLE_SECONDS = 0.01  # one sample of a contender times a block of steps this long
+# 1e5x1000 is read as the issue's table reads it (total params x tensors): 100-element
+# tensors, where the per-call cost is all there is; 1e8x1000 is 1,000 tensors of 1e5.
+DEFAULT_SHAPES = ["1e5x1000", "1e6x1", "1e6x100", "1e6x1000", "1e7x1", "1e7x10", "1e7x100",
+                  "1e7x1000", "1e8x1", "1e8x100", "1e8x1000"]
+DEFAULT_BF16 = ["1e6", "1e7", "1e8"]
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -56,9 +67,11 @@ def _params_with_grads(sizes: list[int], seed: int) -> list[torch.Tensor]:
     return params
 
 
-def _reps_for(n: int) -> int:
-    """Steps per timing, so that small cases are not all timer noise."""
-    return max(1, int(3e7 // n))
+def _rounds_for(n: int, requested: int | None) -> int:
+    """Rounds per case: 200 where a step is short, 40 where it is a tenth of a second."""
+    if requested:
+        return requested
+    return max(40, min(200, int(4e9 // n)))
 
 
 def _timed(fn: Callable[[], None], reps: int) -> float:
@@ -73,20 +86,18 @@ def _roofline(n: int, threads: int) -> Callable[[], None]:
     return lambda: stream_inplace(a, b, c, d, num_threads=threads)
 
 
-def fp32_contenders(n: int, tensors: int, threads: int) -> dict[str, Callable[[], None]]:
+def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool) -> dict[str, Callable[[], None]]:
     sizes = _split(n, tensors)
     ours = _params_with_grads(sizes, 0)
     fused = _params_with_grads(sizes, 0)
-    foreach = _params_with_grads(sizes, 0)
     opt_ours = CPUAdam(ours, lr=LR, weight_decay=WD, num_threads=threads)
     opt_fused = torch.optim.AdamW(fused, lr=LR, weight_decay=WD, fused=True)
-    opt_foreach = torch.optim.AdamW(foreach, lr=LR, weight_decay=WD, foreach=True)
-    return {
-        "ours": opt_ours.step,
-        "torch_fused": opt_fused.step,
-        "torch_foreach": opt_foreach.step,
-        "roofline": _roofline(n, threads),
-    }
+    contenders = {"ours": opt_ours.step, "torch_fused": opt_fused.step}
+    if foreach:
+        opt_foreach = torch.optim.AdamW(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, foreach=True)
+        contenders["torch_foreach"] = opt_foreach.step
+    contenders["roofline"] = _roofline(n, threads)
+    return contenders
 
 
 def bf16_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
@@ -127,31 +138,53 @@ def bf16_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
     }
 
 
-def measure(contenders: dict[str, Callable[[], None]], n: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per step of each contender, one sample a round, order rotating."""
-    reps = _reps_for(n)
+def _reps_for(fn: Callable[[], None]) -> int:
+    """Steps per sample: enough for about SAMPLE_SECONDS, so that fast cases are not timer noise."""
+    fn()  # warm up: state allocation, first touch
+    single = statistics.median(_timed(fn, 1) for _ in range(3))
+    return max(1, round(SAMPLE_SECONDS / single))
+
+
+def measure(contenders: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per step of each contender, one sample (a block of steps) a round, order rotating."""
     names = list(contenders)
-    for fn in contenders.values():  # warm up: state allocation, first touch
-        fn()
+    reps = {name: _reps_for(fn) for name, fn in contenders.items()}
     samples: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            samples[name].append(_timed(contenders[name], reps))
+            samples[name].append(_timed(contenders[name], reps[name]))
     return samples
 
 
-def summarize(case: str, n: int, samples: dict[str, list[float]], peers: list[str]) -> list[str]:
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(case: str, n: int, samples: dict[str, list[float]], peers: list[str],
+              summary: dict[str, dict[str, str]]) -> list[str]:
+    """Rows of the full table; the ratio of ours to each peer also goes into ``summary``."""
     rows = []
     mps = {k: [n / s / 1e6 for s in v] for k, v in samples.items()}
     for name, values in mps.items():
         med = statistics.median(values)
-        rows.append(f"| {case} | {name} | {med:,.0f} ({min(values):,.0f}-{max(values):,.0f}) "
+        rows.append(f"| {case} | {name} | {med:,.0f} ({_pct(values, 0.1):,.0f}-{_pct(values, 0.9):,.0f}) "
                     f"| {med * BYTES_PER_PARAM / 1e3:.1f} | |")
     for peer in peers:
         ratios = [o / p for o, p in zip(mps["ours"], mps[peer])]
-        rows.append(f"| {case} | ours / {peer} | | | **{statistics.median(ratios):.2f}x** "
-                    f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+        text = f"{statistics.median(ratios):.2f}x ({_pct(ratios, 0.1):.2f}-{_pct(ratios, 0.9):.2f})"
+        summary.setdefault(case, {})[peer] = text
+        rows.append(f"| {case} | ours / {peer} | | | **{text}** (min-max {min(ratios):.2f}-{max(ratios):.2f}) |")
+    return rows
+
+
+def summary_table(summary: dict[str, dict[str, str]]) -> list[str]:
+    """One line per case: ours against torch and against the roofline."""
+    rows = ["", "| case | ours / torch fused (or fastest) | ours / roofline |", "| --- | --- | --- |"]
+    for case, ratios in summary.items():
+        torch_ratio = ratios.get("torch_fused", ratios.get("torch_fastest", ""))
+        rows.append(f"| {case} | {torch_ratio} | {ratios.get('roofline', '')} |")
     return rows
 
 
@@ -162,12 +195,46 @@ def _best_torch(samples: dict[str, list[float]]) -> dict[str, list[float]]:
     return {**samples, "torch_fastest": best}
 
 
+def _shape(text: str) -> tuple[int, int]:
+    n, _, t = text.lower().partition("x")
+    return int(float(n)), int(t or 1)
+
+
+def cpu_description() -> str:
+    """CPU model, family/model/stepping and last-level cache, from /proc/cpuinfo and sysfs."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if not sep:
+                if fields:
+                    break  # the first CPU is enough
+                continue
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    llc = "?"
+    cache = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(cache.glob("index*"), reverse=True):
+        try:
+            llc = f"L{(index / 'level').read_text().strip()} {(index / 'size').read_text().strip()}"
+            break
+        except OSError:
+            continue
+    avx512 = "avx512f" in fields.get("flags", "").split()
+    return (f"{fields.get('model name', 'unknown CPU')} ({fields.get('vendor_id', '?')}, family "
+            f"{fields.get('cpu family', '?')} model {fields.get('model', '?')} stepping "
+            f"{fields.get('stepping', '?')}), {os.cpu_count()} CPUs, last-level cache {llc}, "
+            f"AVX-512 {'yes' if avx512 else 'no'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", type=float, default=[1e6, 1e7, 1e8])
-    ap.add_argument("--tensors", nargs="+", type=int, default=[1, 100])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="fp32 cases, N params x T tensors")
+    ap.add_argument("--bf16", nargs="*", default=DEFAULT_BF16, help="sizes of the bf16 offload step")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per case; default by size (40-200)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--foreach", action="store_true", help="also time AdamW(foreach=True)")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -175,45 +242,45 @@ def main(argv: list[str] | None = None) -> int:
     header = [
         f"# CPU Adam benchmark, {datetime.date.today():%Y-%m-%d}",
         "",
-        f"- machine: {platform.processor() or platform.machine()}, {_cpu_model()}, "
-        f"{args.threads} threads (torch and ours)",
-        f"- torch {torch.__version__}; our ISA path: {resolve_isa(None).name.lower()}",
+        f"- CPU: {cpu_description()}",
+        f"- {args.threads} threads (torch and ours); torch {torch.__version__}; "
+        f"our ISA path: {resolve_isa(None).name.lower()}",
         f"- command: `python tools/bench/bench_adam.py {' '.join(sys.argv[1:])}`".rstrip(),
-        f"- {args.rounds} rounds, contenders interleaved with a rotating order; "
-        "medians (min-max) of Mparams/s; GB/s at 28 B/param; ratios are medians of per-round ratios",
+        f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        "- contenders interleaved within each round, order rotating; Mparams/s: median (p10-p90) "
+        "over rounds; GB/s at 28 B/param; ratios: median of per-round ratios (p10-p90; min-max)",
         "",
         "| case | contender | Mparams/s | GB/s | ratio |",
         "| --- | --- | --- | --- | --- |",
     ]
     print("\n".join(header), flush=True)
     rows: list[str] = []
-    for size in args.sizes:
-        n = int(size)
-        for tensors in args.tensors:
-            samples = measure(fp32_contenders(n, tensors, args.threads), n, args.rounds)
-            case = f"fp32 {n:.0e} x {tensors}"
-            new = summarize(case, n, samples, ["torch_fused", "torch_foreach", "roofline"])
-            print("\n".join(new), flush=True)
-            rows += new
-            gc.collect()
-        samples = _best_torch(measure(bf16_contenders(n, args.threads), n, args.rounds))
-        new = summarize(f"bf16 offload step {n:.0e}", n, samples, ["torch_fastest", "roofline"])
-        print("\n".join(new), flush=True)
-        rows += new
+    summary: dict[str, dict[str, str]] = {}
+    for text in args.shapes:
+        n, tensors = _shape(text)
+        rounds = _rounds_for(n, args.rounds)
+        samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach), rounds)
+        peers = [k for k in samples if k != "ours"]
+        rows += _emit(summarize(f"fp32 {n:.0e} x {tensors} ({rounds} rounds)", n, samples, peers, summary))
+        del samples
         gc.collect()
+    for text in args.bf16:
+        n = int(float(text))
+        rounds = _rounds_for(n, args.rounds)
+        samples = _best_torch(measure(bf16_contenders(n, args.threads), rounds))
+        rows += _emit(summarize(f"bf16 offload step {n:.0e} ({rounds} rounds)", n, samples,
+                                ["torch_fastest", "roofline"], summary))
+        gc.collect()
+    footer = summary_table(summary) + ["", f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
+    print("\n".join(footer), flush=True)
     if args.out:
-        args.out.write_text("\n".join(header + rows) + "\n")
+        args.out.write_text("\n".join(header + rows + footer) + "\n")
     return 0
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+def _emit(rows: list[str]) -> list[str]:
+    print("\n".join(rows), flush=True)
+    return rows
 
 
 if __name__ == "__main__":
