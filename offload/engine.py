@@ -200,6 +200,8 @@ class Engine:
             self.last_grad_norm = norm
             self.adam.step(clip_coefficient(norm, self.config.gradient_clipping) / denom)
             if self.lr_scheduler is not None:
+                # torch's schedulers warn unless optimizer.step() ran; the engine steps Adam itself
+                self.optimizer._opt_called = True
                 self.lr_scheduler.step()
         self.scaler.update(overflow)
         self.global_steps += 1
