@@ -161,21 +161,30 @@ def test_clipping_under_fp16_uses_the_unscaled_norm(tmp_path):
     _assert_params_close(params, ref_params, ULPS * ULP["fp16"])
 
 
-@pytest.mark.parametrize("stage,device", [(0, "none"), (1, "cpu"), (2, "cpu"), (2, "nvme")])
-def test_gradient_accumulation_matches_a_hand_accumulated_loop(stage, device, tmp_path):
+@pytest.mark.parametrize("stage,device,clip", [(0, "none", 0.0), (1, "cpu", 0.0), (2, "cpu", 0.0), (2, "nvme", 0.0),
+                                               (1, "nvme", 1.0), (2, "cpu", 1.0)])
+def test_gradient_accumulation_matches_a_hand_accumulated_loop(stage, device, clip, tmp_path):
+    """Adam barely sees a gradient's scale, so the gradient norm (the accumulated gradient's,
+    before clipping) is checked too, and some runs clip by it."""
     gas, micro, steps = 4, 4, 20
     batches = make_batches(steps, gas * micro)
     model, ref = twin_models()
-    ref_losses, ref_params = run_torch(ref, batches, gas=gas)
-    boundaries = []
+    ref_norms: list[float] = []
+    ref_losses, ref_params = run_torch(ref, batches, gas=gas, clip=clip or math.inf, norms_out=ref_norms)
+    norms, boundaries = [], []
 
     def on_step(engine, step):
         assert engine.global_steps == step + 1 and engine.offload_stats().optimizer_steps == step + 1
         boundaries.append(engine.is_gradient_accumulation_boundary())
+        norms.append(engine.get_global_grad_norm())
 
-    config = engine_config(stage=stage, device=device, nvme_path=tmp_path, batch_size=micro, gas=gas)
+    config = engine_config(stage=stage, device=device, nvme_path=tmp_path, batch_size=micro, gas=gas,
+                           gradient_clipping=clip)
     losses, params = run_engine(model, config, batches, gas=gas, on_step=on_step)
+    assert_losses_close(norms, ref_norms, rel=1e-5)
     assert_losses_close(losses, ref_losses, rel=1e-5)
     for name in ref_params:
         torch.testing.assert_close(params[name], ref_params[name], msg=lambda m: f"{name}: {m}")
     assert not any(boundaries), "after a boundary step the next micro-step is not a boundary"
+    if clip:
+        assert sum(n > clip for n in ref_norms) >= steps // 2, "clipping should act on most steps"
