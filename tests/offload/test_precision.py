@@ -128,6 +128,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale(device, tmp_path):
     losses, params = run_engine(model, config, batches, on_step=on_step)
     assert record == ref_scales[1:] + [scaler.scale]
     assert_losses_close(losses, ref_losses, rel=ULPS * ULP["fp16"])
+    _assert_params_close(params, ref_params, ULPS * ULP["fp16"])
 
 
 @pytest.mark.parametrize("stage,device", [(0, "cpu"), (1, "nvme"), (2, "cpu"), (2, "nvme")])
