@@ -7,6 +7,7 @@ this allocates memory or opens a file.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -82,6 +83,14 @@ def init_distributed(dist_backend: str | None = None) -> None:
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # [Note: world group lifetime] Nothing may hold the world group but torch's registry, or
+    # it outlives destroy_process_group(); gloo's worker threads then live into interpreter
+    # exit, and one that drops a finished collective's tensors there aborts the process
+    # ("terminate called without an active exception"). So the engine's parts use group None
+    # (the default group), and torch.distributed.nn, whose functions take group.WORLD as a
+    # default argument, is imported before the group exists (the first optimizer imports it,
+    # through dynamo, otherwise).
+    importlib.import_module("torch.distributed.nn")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None or "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend=backend)
@@ -102,8 +111,8 @@ def _ranks() -> RankInfo:
     rank = dist.get_rank() if dist.is_initialized() else 0
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    return RankInfo(rank=rank, world_size=world, local_rank=local, device=device,
-                    group=dist.group.WORLD if dist.is_initialized() else None)
+    # group None: the default (world) group, not held (see [Note: world group lifetime])
+    return RankInfo(rank=rank, world_size=world, local_rank=local, device=device, group=None)
 
 
 def _param_groups(model: torch.nn.Module, model_parameters: Iterable | None) -> list[dict[str, Any]]:

@@ -241,6 +241,8 @@ class Engine:
                 self.commit.begin_step()  # [Note: commit region layout] in offload.resume
             self.optimizer.step()
             if self.lr_scheduler is not None:
+                # torch's schedulers warn unless optimizer.step() ran; the engine steps Adam itself
+                self.optimizer._opt_called = True
                 self.lr_scheduler.step()
         self.scaler.update(overflow)
         self.global_steps += 1

@@ -6,7 +6,14 @@ own do, and composes with them. The formulas are DeepSpeed's documented ones:
   then warmup_max_lr.
 - WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps.
 - WarmupCosineLR: a ratio of the optimizer's lr, from warmup_min_ratio to 1 over the
-  warmup, then a cosine from 1 to cos_min_ratio at total_num_steps.
+  warmup, then a cosine from 1 to cos_min_ratio at total_num_steps (and there it stays;
+  DeepSpeed's cosine would turn back up).
+
+[Note: DeepSpeed's step count] DeepSpeed's schedulers start at ``last_batch_iteration``
+-1, set the start value (the LR at iteration 0) when built, and count one per optimizer
+step: the LR of optimizer step k (from 0) is the formula at iteration k - 1, and steps 0
+and 1 both run at the start value. torch's schedulers take a step when built, so here
+``last_epoch`` is one ahead: the formula is evaluated at ``last_epoch - 1``.
 """
 from __future__ import annotations
 
@@ -18,6 +25,11 @@ from torch.optim.lr_scheduler import LRScheduler
 from csrc import ConfigError
 
 __all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
+
+
+def _iteration(last_epoch: int) -> int:
+    """DeepSpeed's last_batch_iteration for torch's last_epoch (see [Note: DeepSpeed's step count])."""
+    return max(0, last_epoch - 1)
 
 
 def _warmup_gamma(step: int, warmup_steps: int, kind: str) -> float:
@@ -45,7 +57,7 @@ class WarmupLR(LRScheduler):
         return _warmup_gamma(step, self.warmup_steps, self.warmup_type)
 
     def get_lr(self) -> list[float]:
-        lr = self.min_lr + (self.max_lr - self.min_lr) * self._gamma(self.last_epoch)
+        lr = self.min_lr + (self.max_lr - self.min_lr) * self._gamma(_iteration(self.last_epoch))
         return [lr for _ in self.optimizer.param_groups]
 
 
@@ -85,11 +97,12 @@ class WarmupCosineLR(LRScheduler):
     def _ratio(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.min_ratio + (1.0 - self.min_ratio) * _warmup_gamma(step, self.warmup_steps, self.warmup_type)
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        # DeepSpeed's cosine starts one step into its last warmup iteration (step - warmup + 1)
+        progress = min(1.0, (step - self.warmup_steps + 1) / max(1, self.total_steps - self.warmup_steps))
         return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def get_lr(self) -> list[float]:
-        ratio = self._ratio(self.last_epoch)
+        ratio = self._ratio(_iteration(self.last_epoch))
         return [base * ratio for base in self.base_lrs]
 
 

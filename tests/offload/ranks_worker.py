@@ -1,0 +1,56 @@
+"""One rank of the two-rank test (tests/offload/test_ranks.py), started by torchrun; pytest does
+not collect it. For each (stage, device) in argv it trains the harness model with the engine
+on this rank's half of every global batch, then writes the global loss of every step (the
+mean of the ranks' losses, as each half is the same size), the gradient norm before
+clipping (global: the same on every rank), the layout's sizes, and this rank's final params.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/offload/ranks_worker.py \
+        OUT_DIR NVME_DIR STEPS GLOBAL_BATCH GRADIENT_CLIPPING 1:cpu 2:nvme ...
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from offload.builder import init_distributed
+from tests.offload.harness import engine_config, make_batches, run_engine, twin_models
+
+
+def main(out_dir: str, nvme_dir: str, steps: int, batch: int, clip: float, runs: list[str]) -> None:
+    torch.set_num_threads(1)
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    half = batch // world
+    mine = [(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
+            for x, y in make_batches(steps, batch)]
+    results = {}
+    for run in runs:
+        stage, device = run.split(":")
+        model, _ = twin_models()
+        config = engine_config(stage=int(stage), device=device, nvme_path=nvme_dir, batch_size=batch,
+                               world_size=world, gradient_clipping=clip)
+        layout = {}
+        norms = []
+
+        def inspect(engine, step):
+            norms.append(engine.get_global_grad_norm())
+            layout.update(world_size=engine.layout.world_size, total_numel=engine.layout.total_numel,
+                          partition_numel=engine.layout.partition_numel, engine_world_size=engine.world_size)
+
+        losses, params = run_engine(model, config, mine, on_step=inspect)
+        total = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(total)
+        results[run] = {"losses": (total / world).tolist(), "norms": norms, "layout": layout}
+        torch.save(params, os.path.join(out_dir, f"params_{stage}_{device}_rank{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(out_dir, "losses.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), sys.argv[6:])
