@@ -27,12 +27,15 @@ int32_t ofl_adam_isa_supported(int32_t isa) {
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                __builtin_cpu_supports("fma");
+    case OFL_ISA_AVX512_BF16:
+        return ofl_adam_isa_supported(OFL_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
 #endif
     default: return 0;
     }
 }
 
 int32_t ofl_adam_best_isa(void) {
+    if (ofl_adam_isa_supported(OFL_ISA_AVX512_BF16)) return OFL_ISA_AVX512_BF16;
     if (ofl_adam_isa_supported(OFL_ISA_AVX512)) return OFL_ISA_AVX512;
     if (ofl_adam_isa_supported(OFL_ISA_AVX2)) return OFL_ISA_AVX2;
     return OFL_ISA_SCALAR;
@@ -40,7 +43,7 @@ int32_t ofl_adam_best_isa(void) {
 
 /* Resolves AUTO and checks the rest; 0 on success or -ENOTSUP / -EINVAL. */
 static int32_t resolve_isa(int32_t isa, int32_t *resolved) {
-    if (isa < OFL_ISA_AUTO || isa > OFL_ISA_AVX512) return -EINVAL;
+    if (isa < OFL_ISA_AUTO || isa > OFL_ISA_AVX512_BF16) return -EINVAL;
     if (isa == OFL_ISA_AUTO) isa = ofl_adam_best_isa();
     if (!ofl_adam_isa_supported(isa)) return -ENOTSUP;
     *resolved = isa;
@@ -49,6 +52,7 @@ static int32_t resolve_isa(int32_t isa, int32_t *resolved) {
 
 static ofl_adam_kernel_fn adam_kernel_for(int32_t isa) {
 #if OFL_HAVE_X86
+    if (isa == OFL_ISA_AVX512_BF16) return ofl_adam_kernel_avx512bf16;
     if (isa == OFL_ISA_AVX512) return ofl_adam_kernel_avx512;
     if (isa == OFL_ISA_AVX2) return ofl_adam_kernel_avx2;
 #endif
@@ -58,7 +62,7 @@ static ofl_adam_kernel_fn adam_kernel_for(int32_t isa) {
 
 static ofl_sumsq_kernel_fn sumsq_kernel_for(int32_t isa) {
 #if OFL_HAVE_X86
-    if (isa == OFL_ISA_AVX512) return ofl_sumsq_kernel_avx512;
+    if (isa == OFL_ISA_AVX512 || isa == OFL_ISA_AVX512_BF16) return ofl_sumsq_kernel_avx512;
     if (isa == OFL_ISA_AVX2) return ofl_sumsq_kernel_avx2;
 #endif
     (void)isa;
