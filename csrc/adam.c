@@ -5,10 +5,13 @@
 #include "adam_internal.h"
 #include "ofl_parallel.h"
 
-/* Below this many elements a thread costs more to start than it saves. */
+/* Below this many elements a thread costs more to wake than it saves. */
 #define OFL_MIN_ELEMS_PER_THREAD 65536
-/* Work is claimed in chunks of this many elements (256 KiB of each fp32 stream): small
- * enough that a descheduled thread holds back little, large enough to stream well.
+/* The grid of the virtual concatenation that work is cut on (256 KiB of each fp32
+ * stream): each thread walks its own run of chunks, then steals whole chunks
+ * ([Note: static shares with stealing]). The grid is the same for every thread count,
+ * so a tensor is cut at the same places (the AVX2 path's scalar tails) and the grad
+ * norm's per-chunk partials are the same: results do not depend on the thread count.
  * A multiple of 64, so chunks start on whole cache lines of every stream. */
 #define OFL_CHUNK_ELEMS 65536
 
