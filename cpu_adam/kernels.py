@@ -40,7 +40,7 @@ __all__ = [
     "stream_inplace",
 ]
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 
@@ -51,6 +51,7 @@ class Isa(enum.IntEnum):
     SCALAR = lib.OFL_ISA_SCALAR  # portable C, any CPU
     AVX2 = lib.OFL_ISA_AVX2  # AVX2 + FMA + F16C
     AVX512 = lib.OFL_ISA_AVX512  # AVX-512 F/BW/VL/DQ
+    AVX512_BF16 = lib.OFL_ISA_AVX512_BF16  # the same, with AVX512_BF16 for the bf16 param copy
 
 
 ISA_ENV = "OFFLOAD_CPU_ADAM_ISA"
@@ -64,7 +65,7 @@ _DTYPE_CODES = {
 
 def available_isas() -> list[Isa]:
     """The concrete paths (not AUTO) this machine can run, slowest first."""
-    return [isa for isa in (Isa.SCALAR, Isa.AVX2, Isa.AVX512) if lib.ofl_adam_isa_supported(isa)]
+    return [isa for isa in (Isa.SCALAR, Isa.AVX2, Isa.AVX512, Isa.AVX512_BF16) if lib.ofl_adam_isa_supported(isa)]
 
 
 _RESOLVED: dict[Isa | str | int, Isa] = {}  # what resolve_isa was asked -> its answer (the CPU does not change)

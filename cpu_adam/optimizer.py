@@ -37,7 +37,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     ``adamw_mode=True`` (the default) decays weights decoupled, as AdamW; False adds
     ``weight_decay * p`` to the gradient, as Adam. ``num_threads`` defaults to the cores
-    this process may use; ``isa`` forces a path ("scalar", "avx2", "avx512").
+    this process may use; ``isa`` forces a path ("scalar", "avx2", "avx512", "avx512_bf16").
 
     Each group's params and state are held in an ``AdamPlan`` (their addresses, checked
     once), so a step costs a C call plus a check of the new gradients. The state tensors

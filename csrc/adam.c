@@ -5,10 +5,13 @@
 #include "adam_internal.h"
 #include "ofl_parallel.h"
 
-/* Below this many elements a thread costs more to start than it saves. */
+/* Below this many elements a thread costs more to wake than it saves. */
 #define OFL_MIN_ELEMS_PER_THREAD 65536
-/* Work is claimed in chunks of this many elements (256 KiB of each fp32 stream): small
- * enough that a descheduled thread holds back little, large enough to stream well.
+/* The grid of the virtual concatenation that work is cut on (256 KiB of each fp32
+ * stream): each thread walks its own run of chunks, then steals whole chunks
+ * ([Note: static shares with stealing]). The grid is the same for every thread count,
+ * so a tensor is cut at the same places (the AVX2 path's scalar tails) and the grad
+ * norm's per-chunk partials are the same: results do not depend on the thread count.
  * A multiple of 64, so chunks start on whole cache lines of every stream. */
 #define OFL_CHUNK_ELEMS 65536
 
@@ -27,12 +30,15 @@ int32_t ofl_adam_isa_supported(int32_t isa) {
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                __builtin_cpu_supports("fma");
+    case OFL_ISA_AVX512_BF16:
+        return ofl_adam_isa_supported(OFL_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
 #endif
     default: return 0;
     }
 }
 
 int32_t ofl_adam_best_isa(void) {
+    if (ofl_adam_isa_supported(OFL_ISA_AVX512_BF16)) return OFL_ISA_AVX512_BF16;
     if (ofl_adam_isa_supported(OFL_ISA_AVX512)) return OFL_ISA_AVX512;
     if (ofl_adam_isa_supported(OFL_ISA_AVX2)) return OFL_ISA_AVX2;
     return OFL_ISA_SCALAR;
@@ -40,7 +46,7 @@ int32_t ofl_adam_best_isa(void) {
 
 /* Resolves AUTO and checks the rest; 0 on success or -ENOTSUP / -EINVAL. */
 static int32_t resolve_isa(int32_t isa, int32_t *resolved) {
-    if (isa < OFL_ISA_AUTO || isa > OFL_ISA_AVX512) return -EINVAL;
+    if (isa < OFL_ISA_AUTO || isa > OFL_ISA_AVX512_BF16) return -EINVAL;
     if (isa == OFL_ISA_AUTO) isa = ofl_adam_best_isa();
     if (!ofl_adam_isa_supported(isa)) return -ENOTSUP;
     *resolved = isa;
@@ -49,6 +55,7 @@ static int32_t resolve_isa(int32_t isa, int32_t *resolved) {
 
 static ofl_adam_kernel_fn adam_kernel_for(int32_t isa) {
 #if OFL_HAVE_X86
+    if (isa == OFL_ISA_AVX512_BF16) return ofl_adam_kernel_avx512bf16;
     if (isa == OFL_ISA_AVX512) return ofl_adam_kernel_avx512;
     if (isa == OFL_ISA_AVX2) return ofl_adam_kernel_avx2;
 #endif
@@ -58,7 +65,7 @@ static ofl_adam_kernel_fn adam_kernel_for(int32_t isa) {
 
 static ofl_sumsq_kernel_fn sumsq_kernel_for(int32_t isa) {
 #if OFL_HAVE_X86
-    if (isa == OFL_ISA_AVX512) return ofl_sumsq_kernel_avx512;
+    if (isa == OFL_ISA_AVX512 || isa == OFL_ISA_AVX512_BF16) return ofl_sumsq_kernel_avx512;
     if (isa == OFL_ISA_AVX2) return ofl_sumsq_kernel_avx2;
 #endif
     (void)isa;

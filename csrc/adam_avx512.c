@@ -1,124 +1,15 @@
 /* AVX-512 Adam (F + BW + VL + DQ, FMA, F16C conversions built in).
  *
- * 16 lanes a vector; the last partial vector uses masked loads and stores, so
- * there is no scalar tail. bf16 is converted with integer operations (round to
- * nearest even, NaN kept quiet), which needs no AVX512_BF16.
+ * bf16 is converted with integer operations (round to nearest even, NaN kept quiet),
+ * which needs no AVX512_BF16; adam_avx512bf16.c is the same loop with that extension.
  */
 #include "adam_internal.h"
 
 #if OFL_HAVE_X86
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
-#include <immintrin.h>
-
-#define OFL_AI static inline __attribute__((always_inline))
-
-typedef struct {
-    __m512 b1, omb1, b2, omb2, eps, step, ibc2, decay, l2, gscale;
-} vcoeffs16;
-
-OFL_AI __m512 load_grad16(int32_t dt, const void *g, int64_t i, __mmask16 k, int tail) {
-    if (dt == OFL_DTYPE_F32) {
-        const float *src = (const float *)g + i;
-        return tail ? _mm512_maskz_loadu_ps(k, src) : _mm512_loadu_ps(src);
-    }
-    const uint16_t *src = (const uint16_t *)g + i;
-    __m256i h = tail ? _mm256_maskz_loadu_epi16(k, src) : _mm256_loadu_si256((const __m256i *)src);
-    if (dt == OFL_DTYPE_F16) return _mm512_cvtph_ps(h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-OFL_AI __m256i f32_to_bf16_16(__m512 x) {
-    __m512i b = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x00400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-OFL_AI void store_out16(int32_t dt, void *out, int64_t i, __m512 x, __mmask16 k, int tail) {
-    if (dt == OFL_DTYPE_NONE) return;
-    if (dt == OFL_DTYPE_F32) {
-        float *dst = (float *)out + i;
-        if (tail) _mm512_mask_storeu_ps(dst, k, x);
-        else _mm512_storeu_ps(dst, x);
-        return;
-    }
-    __m256i h = dt == OFL_DTYPE_BF16
-                    ? f32_to_bf16_16(x)
-                    : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    uint16_t *dst = (uint16_t *)out + i;
-    if (tail) _mm256_mask_storeu_epi16(dst, k, h);
-    else _mm256_storeu_si256((__m256i *)dst, h);
-}
-
-OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, int l2, float *p, const void *g,
-                     float *m, float *v, void *out, int64_t i, __mmask16 k, int tail,
-                     __m512 *bad) {
-    __m512 pv = tail ? _mm512_maskz_loadu_ps(k, p + i) : _mm512_loadu_ps(p + i);
-    __m512 mv = tail ? _mm512_maskz_loadu_ps(k, m + i) : _mm512_loadu_ps(m + i);
-    __m512 vv = tail ? _mm512_maskz_loadu_ps(k, v + i) : _mm512_loadu_ps(v + i);
-    __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, tail), c->gscale);
-    /* g * 0 is 0 for finite g and NaN otherwise; the sum keeps any NaN. */
-    *bad = _mm512_add_ps(*bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
-    if (l2) gv = _mm512_fmadd_ps(c->l2, pv, gv);
-    mv = _mm512_fmadd_ps(c->b1, mv, _mm512_mul_ps(c->omb1, gv));
-    vv = _mm512_fmadd_ps(c->b2, vv, _mm512_mul_ps(_mm512_mul_ps(c->omb2, gv), gv));
-    __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), c->ibc2, c->eps);
-    pv = _mm512_fnmadd_ps(c->step, _mm512_div_ps(mv, den), _mm512_mul_ps(pv, c->decay));
-    if (tail) {
-        _mm512_mask_storeu_ps(p + i, k, pv);
-        _mm512_mask_storeu_ps(m + i, k, mv);
-        _mm512_mask_storeu_ps(v + i, k, vv);
-    } else {
-        _mm512_storeu_ps(p + i, pv);
-        _mm512_storeu_ps(m + i, mv);
-        _mm512_storeu_ps(v + i, vv);
-    }
-    store_out16(od, out, i, pv, k, tail);
-}
-
-OFL_AI int32_t adam_loop16(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int l2, float *p,
-                           const void *g, float *m, float *v, void *out, int64_t n) {
-    vcoeffs16 c = {
-        _mm512_set1_ps(s->beta1),    _mm512_set1_ps(s->one_minus_beta1),
-        _mm512_set1_ps(s->beta2),    _mm512_set1_ps(s->one_minus_beta2),
-        _mm512_set1_ps(s->eps),      _mm512_set1_ps(s->step_size),
-        _mm512_set1_ps(s->inv_bias2_sqrt), _mm512_set1_ps(s->decay_mul),
-        _mm512_set1_ps(s->l2_decay), _mm512_set1_ps(s->grad_scale),
-    };
-    __m512 bad = _mm512_setzero_ps();
-    int64_t i = 0;
-#pragma GCC unroll 4
-    for (; i + 16 <= n; i += 16) update16(&c, gd, od, l2, p, g, m, v, out, i, 0xffff, 0, &bad);
-    if (i < n) {
-        __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
-        update16(&c, gd, od, l2, p, g, m, v, out, i, k, 1, &bad);
-    }
-    return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
-}
+#define OFL_AVX512_NATIVE_BF16 0
+#include "adam_avx512_loop.h"
 
 OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx512, adam_loop16)
-
-OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
-    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __m512 x = load_grad16(dt, g, i, 0xffff, 0);
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-        __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
-        a0 = _mm512_fmadd_pd(lo, lo, a0);
-        a1 = _mm512_fmadd_pd(hi, hi, a1);
-    }
-    if (i < n) {
-        __m512 x = load_grad16(dt, g, i, (__mmask16)((1u << (n - i)) - 1u), 1);
-        __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
-        __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
-        a0 = _mm512_fmadd_pd(lo, lo, a0);
-        a1 = _mm512_fmadd_pd(hi, hi, a1);
-    }
-    *acc += _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
-}
-
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx512, sumsq_loop16)
 #endif /* OFL_HAVE_X86 */

@@ -48,6 +48,9 @@ int32_t ofl_adam_kernel_avx2(const ofl_adam_coeffs *c, int32_t grad_dtype, int32
 int32_t ofl_adam_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
                                float *p, const void *g, float *m, float *v, void *out,
                                int64_t n);
+int32_t ofl_adam_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                   float *p, const void *g, float *m, float *v, void *out,
+                                   int64_t n);
 void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc);
 #else

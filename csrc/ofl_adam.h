@@ -16,13 +16,14 @@
 
 #include <stdint.h>
 
-#define OFL_ADAM_ABI_VERSION 1
+#define OFL_ADAM_ABI_VERSION 2
 
 /* Instruction-set paths. AUTO picks the best the CPU and OS support. */
 #define OFL_ISA_AUTO 0
 #define OFL_ISA_SCALAR 1
 #define OFL_ISA_AVX2 2
 #define OFL_ISA_AVX512 3
+#define OFL_ISA_AVX512_BF16 4 /* AVX512 with AVX512_BF16 for the bf16 param copy; same bits */
 
 /* Element types of gradients and of the optional param copy. */
 #define OFL_DTYPE_NONE -1

@@ -8,10 +8,19 @@
 #include <signal.h>
 #include <stdint.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 /* Workers run kernels and little else; their stacks need not be the default 8 MiB. */
 #define OFL_WORKER_STACK_BYTES (1 << 20)
+/* [Note: spinning workers]
+ * A worker that has finished its share keeps looking for the next call this long before
+ * it parks. Calls that come back to back (every param group of a step, every sub-group
+ * of the engine, a benchmark's repetitions) then start at once: waking a parked thread
+ * costs tens of microseconds in a virtual machine, a tenth of a 1e6-param step. OpenMP
+ * runtimes spin for milliseconds; this is kept short, as the spin takes a core from
+ * whatever else the machine runs. */
+#define OFL_WORKER_SPIN_NS 100000u
 /* How often the caller looks at its workers before it sleeps until they are done:
  * with stealing they finish within about one chunk of the caller (tens of microseconds). */
 #define OFL_CALLER_SPINS 4096
@@ -32,6 +41,7 @@ static inline void cpu_relax(void) {
 
 typedef struct {
     _Alignas(64) uint32_t wake; /* futex word: the caller bumps it to start this worker */
+    uint32_t sleeping;          /* 1 while the worker is (about to be) parked on `wake` */
 } ofl_worker;
 
 static struct {
@@ -52,19 +62,42 @@ static void pool_after_fork_in_child(void) {
     pool.lock = fresh;
     pool.started = 0;
     pool.pending = 0;
-    for (int32_t i = 0; i < OFL_MAX_THREADS; i++) pool.workers[i].wake = 0;
+    for (int32_t i = 0; i < OFL_MAX_THREADS; i++) pool.workers[i].wake = pool.workers[i].sleeping = 0;
 }
 
 static void pool_init_once(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
 
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Waits until *wake differs from `seen` and returns the new value: first spinning for
+ * OFL_WORKER_SPIN_NS ([Note: spinning workers]), then parked on the futex. */
+static uint32_t wait_for_call(ofl_worker *w, uint32_t seen) {
+    uint32_t now;
+    uint64_t deadline = now_ns() + OFL_WORKER_SPIN_NS;
+    for (int32_t spin = 1;; spin++) {
+        if ((now = __atomic_load_n(&w->wake, __ATOMIC_ACQUIRE)) != seen) return now;
+        cpu_relax();
+        if (spin % 64 == 0 && now_ns() > deadline) break;
+    }
+    for (;;) {
+        __atomic_store_n(&w->sleeping, 1, __ATOMIC_SEQ_CST);
+        if ((now = __atomic_load_n(&w->wake, __ATOMIC_SEQ_CST)) != seen) break;
+        futex_wait(&w->wake, seen);
+    }
+    __atomic_store_n(&w->sleeping, 0, __ATOMIC_RELAXED);
+    return now;
+}
+
 static void *worker_main(void *arg) {
     int32_t index = (int32_t)(intptr_t)arg;
-    uint32_t *wake = &pool.workers[index].wake;
+    ofl_worker *w = &pool.workers[index];
     uint32_t seen = 0; /* the value grow_pool set: a call may bump it before this line runs */
     for (;;) {
-        uint32_t now;
-        while ((now = __atomic_load_n(wake, __ATOMIC_ACQUIRE)) == seen) futex_wait(wake, seen);
-        seen = now;
+        seen = wait_for_call(w, seen);
         pool.fn(pool.ctx, index, pool.count);
         if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL) == 0) futex_wake(&pool.pending, 1);
     }
@@ -93,6 +126,7 @@ static int32_t grow_pool(int32_t count) {
     while (pool.started < count - 1) {
         int32_t index = pool.started + 1;
         pool.workers[index].wake = 0;
+        pool.workers[index].sleeping = 0;
         if (spawn(worker_main, (void *)(intptr_t)index, 1, NULL) != 0) break;
         pool.started = index;
     }
@@ -107,8 +141,9 @@ static void run_on_pool(ofl_task_fn fn, void *ctx, int32_t count) {
     pool.count = count;
     __atomic_store_n(&pool.pending, (uint32_t)helped, __ATOMIC_RELEASE);
     for (int32_t i = 1; i <= helped; i++) {
-        __atomic_add_fetch(&pool.workers[i].wake, 1, __ATOMIC_RELEASE);
-        futex_wake(&pool.workers[i].wake, 1);
+        ofl_worker *w = &pool.workers[i];
+        __atomic_add_fetch(&w->wake, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&w->sleeping, __ATOMIC_SEQ_CST)) futex_wake(&w->wake, 1);
     }
     fn(ctx, 0, count);
     for (int32_t i = helped + 1; i < count; i++) fn(ctx, i, count); /* no thread for these */

@@ -1,7 +1,7 @@
 """CPU Adam: ours against torch.optim.AdamW(fused=True) and the memory roofline.
 
 Every case is measured in rounds; each round runs every contender once (a block of
-steps), in an order that rotates from round to round, so bandwidth drift and the other
+steps), in an order shuffled from round to round, so bandwidth drift and the other
 work on a shared machine hit all of them alike. Reported per contender: the median over
 rounds of Mparams/s and the effective GB/s at Adam's bytes a param; per pair: the median
 of the per-round ratios with their 10th-90th percentile and min-max spread.
@@ -30,6 +30,7 @@ import datetime
 import gc
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -146,12 +147,19 @@ def _reps_for(fn: Callable[[], None]) -> int:
 
 
 def measure(contenders: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per step of each contender, one sample (a block of steps) a round, order rotating."""
+    """Seconds per step of each contender, one sample (a block of steps) a round.
+
+    The order is shuffled every round (seeded): a rotation would keep who runs after whom
+    fixed, and the one that follows torch always meets its OpenMP workers still spinning,
+    the one that follows a streaming pass always writes back its dirty cache lines.
+    """
     names = list(contenders)
     reps = {name: _reps_for(fn) for name, fn in contenders.items()}
     samples: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+    order = list(names)
+    shuffler = random.Random(0)
+    for _ in range(rounds):
+        shuffler.shuffle(order)
         for name in order:
             samples[name].append(_timed(contenders[name], reps[name]))
     return samples
@@ -245,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- CPU: {cpu_description()}",
         f"- {args.threads} threads (torch and ours); torch {torch.__version__}; "
         f"our ISA path: {resolve_isa(None).name.lower()}",
-        f"- command: `python tools/bench/bench_adam.py {' '.join(sys.argv[1:])}`".rstrip(),
+        f"- command: `{' '.join(['python tools/bench/bench_adam.py', *sys.argv[1:]])}`",
         f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        "- contenders interleaved within each round, order rotating; Mparams/s: median (p10-p90) "
+        "- contenders interleaved within each round, order shuffled; Mparams/s: median (p10-p90) "
         "over rounds; GB/s at 28 B/param; ratios: median of per-round ratios (p10-p90; min-max)",
         "",
         "| case | contender | Mparams/s | GB/s | ratio |",
