@@ -84,7 +84,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import math
 import struct
 from typing import Any, NamedTuple
 
@@ -249,31 +248,42 @@ def decode_body(frame: Frame) -> dict[str, Any]:
 _KINDS = {int(k): k for k in Kind}
 
 
+def _compile(k: Kind) -> tuple[frozenset[str], tuple[tuple[str, tuple[type, ...], bool, bool, Any], ...]]:
+    """Per kind, once: the names allowed, and per field (name, types, required, bool allowed, bounds)."""
+    required, optional = REQUEST_FIELDS[k], OPTIONAL_FIELDS.get(k, {})
+    fields = tuple((name, types, name in required, bool in types, FIELD_RANGES.get(name))
+                   for name, types in (*required.items(), *optional.items()))
+    return frozenset(required) | frozenset(optional), fields
+
+
+_SPECS = {k: _compile(k) for k in Kind}
+
+
 def check_fields(kind: int, body: dict[str, Any]) -> Kind:
     """Validate a request body against its kind; returns the ``Kind``."""
     k = _KINDS.get(kind)
     if k is None:
         raise ProtocolError(f"unknown message kind {kind}")
-    spec = REQUEST_FIELDS[k]
-    if not spec and not body:
+    allowed, fields = _SPECS[k]
+    if not body and not fields:
         return k
-    optional = OPTIONAL_FIELDS.get(k, {})
     for name in body:
-        if name not in spec and name not in optional:
+        if name not in allowed:
             raise ProtocolError(f"{k.name}: unknown field {name!r}")
-    for name, types in (*spec.items(), *optional.items()):
+    for name, types, required, bool_ok, bounds in fields:
         if name not in body:
-            if name in spec:
+            if required:
                 raise ProtocolError(f"{k.name}: missing field {name!r}")
             continue
         value = body[name]
-        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        if not isinstance(value, types) or (value.__class__ is bool and not bool_ok):
             raise ProtocolError(f"{k.name}: field {name!r} has type {type(value).__name__}")
-        bounds = FIELD_RANGES.get(name)
-        if bounds is not None and value is not None and not (bounds[0] <= value <= bounds[1] and math.isfinite(value)):
+        # NaN fails both comparisons, and +-inf the bounds: no isfinite needed
+        if bounds is not None and value is not None and not bounds[0] <= value <= bounds[1]:
             raise ConfigError(f"{k.name}: field {name!r} must be in [{bounds[0]}, {bounds[1]}], got {value!r}")
-    if "names" in spec and not all(isinstance(n, str) for n in body["names"]):
-        raise ProtocolError(f"{k.name}: field 'names' must be a list of strings")
+    if k is Kind.PREFETCH or k is Kind.EVICT:
+        if not all(isinstance(n, str) for n in body["names"]):
+            raise ProtocolError(f"{k.name}: field 'names' must be a list of strings")
     return k
 
 
