@@ -118,6 +118,20 @@ def start_daemon(slow: bool = False, swap_paths: int = 1, **tables: dict) -> Dae
             time.sleep(0.05)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_dir():
+    """TierClients of the tests keep their reattach tokens here, not in this uid's real runtime directory."""
+    directory = tempfile.mkdtemp(prefix="ofl-tokens-", dir="/tmp")
+    old = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = directory
+    yield directory
+    if old is None:
+        os.environ.pop("XDG_RUNTIME_DIR", None)
+    else:
+        os.environ["XDG_RUNTIME_DIR"] = old
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture
 def daemon_factory():
     started: list[DaemonProcess] = []

@@ -31,6 +31,7 @@ def users():
         yield [pwd.getpwnam(n).pw_uid for n in names]
     finally:
         for name in made:
+            shutil.rmtree(f"/tmp/offload-{pwd.getpwnam(name).pw_uid}", ignore_errors=True)  # their tokens
             subprocess.run(["userdel", name], capture_output=True)
 
 
