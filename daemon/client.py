@@ -377,6 +377,10 @@ class TierClient:
         info = self._regions[name]
         return self._segments.view(info.segment_index, info.offset, info.nbytes)
 
+    def host_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of this client's mapping of each session segment (CUDA registers them)."""
+        return self._segments.ranges()
+
     def mark_dirty(self, name: str) -> None:
         self._request(Kind.MARK_DIRTY, {"name": name})
 

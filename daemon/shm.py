@@ -32,6 +32,7 @@ maps each with ``MAP_SHARED | MAP_POPULATE`` and closes its fd copy.
 from __future__ import annotations
 
 import array
+import ctypes
 import fcntl
 import logging
 import mmap
@@ -114,6 +115,7 @@ class SegmentMap:
                 os.close(fd)
             raise ProtocolError(f"HELLO reply lists {len(sizes)} segments but carried {len(fds)} fds")
         self._maps: list[mmap.mmap] = []
+        self._anchors: list[ctypes.c_char] = []  # buffer exports behind ranges()' addresses
         try:
             for fd, nbytes in zip(fds, sizes):
                 self._maps.append(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
@@ -133,7 +135,14 @@ class SegmentMap:
             raise ProtocolError(f"range [{offset}, {offset + nbytes}) lies outside segment {segment_index}")
         return memoryview(m)[offset : offset + nbytes]
 
+    def ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each mapping, in segment order (for CUDA host registration)."""
+        if len(self._anchors) != len(self._maps):
+            self._anchors = [ctypes.c_char.from_buffer(m) for m in self._maps]  # held until close
+        return [(ctypes.addressof(a), len(m)) for a, m in zip(self._anchors, self._maps)]
+
     def close(self) -> None:
+        self._anchors = []  # the address exports must go before the mappings can close
         for m in self._maps:
             try:
                 m.close()

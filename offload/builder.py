@@ -239,6 +239,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     t0 = time.perf_counter()
     tier, verdict, payload, commit = _open_tier(cfg, layout, ranks) if offloaded else (None, FRESH, None, None)
     try:
+        if tier is not None and ranks.device.type == "cuda":
+            tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
                                device=ranks.device, window=zero.offload_optimizer.buffer_count)
         if verdict == RESUME:

@@ -50,8 +50,21 @@ class Tier:
     description: str
     swap_dir: str | None = None
     daemon: bool = False
+    registration: Any = None
+    """``offload.gpu.HostRegistration`` of the store's segments (a GPU model), undone before the store closes."""
+
+    def register_with_cuda(self, api: Any = "torch") -> None:
+        """Register the store's host segments with CUDA once (a no-op without CUDA); ``api`` is injectable."""
+        from offload.gpu.registration import HostRegistration, cuda_host_api
+
+        if self.registration is None:
+            self.registration = HostRegistration(cuda_host_api() if api == "torch" else api)
+        self.registration.register_tier(self.store)
 
     def close(self, *, keep_session: bool = False) -> None:
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None
         if keep_session and hasattr(self.store, "detach"):
             self.store.detach()
         else:

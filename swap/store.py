@@ -449,6 +449,10 @@ class TierStore:
         if self.space is not None:
             self.space.sync()
 
+    def host_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each host pool segment (what CUDA host registration pins)."""
+        return [(seg.address, seg.nbytes) for seg in self.pool.segments]
+
     def stats(self) -> TierStats:
         with self._lock:
             regions = list(self._regions.values())
