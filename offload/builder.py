@@ -264,6 +264,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,
                         adam=adam, tier=tier, optimizer=facade, lr_scheduler=scheduler, scaler=_scaler(cfg),
                         compute_dtype=dtype, training_dataloader=loader, stage3=parts)
+        if cfg.offload.delayed_update:
+            from offload.zero.delayed import DelayedUpdate
+
+            engine.delayed = DelayedUpdate(adam, warmup_steps=cfg.offload.delayed_update_warmup_steps)
         if tier is not None and tier.daemon:
             engine.commit = commit or CommitRegion(tier.store, existing=False)
             _stop_on_sigterm(engine)

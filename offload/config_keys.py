@@ -164,7 +164,8 @@ AIO = KeyTable(
 )
 
 OFFLOAD = KeyTable(
-    acted=_same("daemon_socket", "job_id", "host_memory_bytes", "swap_capacity_bytes", "checksum"),
+    acted=_same("daemon_socket", "job_id", "host_memory_bytes", "swap_capacity_bytes", "checksum",
+                "delayed_update", "delayed_update_warmup_steps"),
 )
 
 DEPRECATED: Mapping[str, str] = types.MappingProxyType({

@@ -401,13 +401,18 @@ class OffloadSectionConfig:
     """NVMe swap file size; None: sized from the model."""
     checksum: bool = True
     """CRC-32C on NVMe write-back and prefetch."""
+    delayed_update: bool = False
+    """The one-step delayed parameter update (offload.zero.delayed): the CPU step overlaps the next step."""
+    delayed_update_warmup_steps: int = 40
+    """Ordinary optimizer steps before the delayed update begins (a few dozen, as ZeRO-Offload does)."""
 
     def __post_init__(self) -> None:
         _text(self, "daemon_socket")
         _text(self, "job_id")
         _int(self, "host_memory_bytes", 1, optional=True)
         _int(self, "swap_capacity_bytes", 1, optional=True)
-        _bool(self, "checksum")
+        _bool(self, "checksum", "delayed_update")
+        _int(self, "delayed_update_warmup_steps", 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,3 +452,9 @@ class EngineConfig:
         _bool(self, "wall_clock_breakdown")
         if self.fp16.enabled and self.bf16.enabled:
             _fail(self, "bf16", "disabled when fp16 is enabled (fp16 and bf16 are both enabled)")
+        if self.offload.delayed_update:  # [Note: delayed update] in offload.zero.delayed says why
+            if self.zero.offload_optimizer.device is OffloadDevice.NONE:
+                raise ConfigError("offload.delayed_update needs zero_optimization.offload_optimizer.device "
+                                  "cpu or nvme (it overlaps the CPU's optimizer step with the next step)")
+            if self.zero.stage == 3:
+                raise ConfigError("offload.delayed_update is not supported with zero_optimization.stage 3 yet")

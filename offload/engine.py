@@ -99,6 +99,7 @@ class Engine:
         self.compute_dtype = compute_dtype
         self.training_dataloader = training_dataloader
         self.stage3 = stage3  # offload.zero.stage3.Stage3Parts: the param shards and their hooks
+        self.delayed = None  # offload.zero.delayed.DelayedUpdate when offload.delayed_update is on
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -197,7 +198,7 @@ class Engine:
         stage2 = self.config.zero.stage >= 2  # stage 3 reduces every micro-step too
         reduce = final or stage2
         first = (self.micro_steps % gas == 0) if stage2 else True
-        if final:
+        if final and not (self.delayed is not None and self.delayed.busy):  # a delayed step prefetches itself
             self.adam.prefetch_states()  # NVMe -> host while backward runs
         t0 = time.perf_counter()
         self.reducer.begin(reduce=reduce, first=first, final=final)
@@ -215,6 +216,8 @@ class Engine:
             self._take_step()
         self.micro_steps += 1
         if boundary and self.commit is not None:
+            if self.delayed is not None:
+                self.delayed.finish()  # the committed state is a finished step's ([Note: delayed update])
             self.commit.commit(self.global_steps, self.small_state())
             if self.stop_requested:
                 logger.warning("rank %d: stopping at step %d on SIGTERM; the state is committed and the session "
@@ -224,6 +227,8 @@ class Engine:
 
     def _take_step(self) -> None:
         t0 = time.perf_counter()
+        if self.delayed is not None:
+            self.delayed.publish()  # the step started at the last boundary ([Note: delayed update])
         denom = self.scaler.scale * self.world_size
         sumsq = self.adam.global_sumsq()
         overflow = not math.isfinite(sumsq)
@@ -263,7 +268,10 @@ class Engine:
         if self._multiplier is None:
             raise ConfigError("optimizer.step() is driven by the engine: call engine.backward(loss); engine.step()")
         multiplier, self._multiplier = self._multiplier, None
-        self.adam.step(multiplier)
+        if self.delayed is not None and self.delayed.applies():
+            self.delayed.start(multiplier)
+        else:
+            self.adam.step(multiplier)
 
     def zero_grad(self) -> None:
         self.reducer.zero()
@@ -307,12 +315,16 @@ class Engine:
         from offload.checkpoint import save_checkpoint
 
         state = self.client_state if client_state is None else client_state
+        if self.delayed is not None:
+            self.delayed.finish()
         return save_checkpoint(self, save_dir, tag=tag, client_state=state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True) -> tuple[str | None, dict]:
         from offload.checkpoint import load_checkpoint
 
+        if self.delayed is not None:
+            self.delayed.discard()  # its params would overwrite the loaded ones
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -322,7 +334,7 @@ class Engine:
         return EngineStats(
             optimizer_device=self.config.zero.offload_optimizer.device.value,
             tier=self.tier.description if self.tier is not None else f"none (state on {self.device})",
-            state_bytes_by_tier=storage.bytes_by_tier(),
+            state_bytes_by_tier=storage.bytes_by_tier(poll=self.delayed is None or not self.delayed.busy),
             bytes_read_total=stats.bytes_read_total if stats else 0,
             bytes_written_total=stats.bytes_written_total if stats else 0,
             io_wait_seconds_total=storage.io_wait_seconds,
@@ -336,6 +348,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self.delayed is not None:
+            self.delayed.close()
         self.reducer.close()
         if self.commit is not None:
             self.commit.release()

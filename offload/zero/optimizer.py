@@ -12,7 +12,7 @@ schedulers drive it; stepping goes through the engine.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,15 @@ from offload.zero.states import StateStorage
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadOptimizer", "PartitionedAdam"]
+__all__ = ["OffloadOptimizer", "PartitionedAdam", "StepPlan"]
+
+
+class StepPlan(NamedTuple):
+    """What one optimizer step reads besides the states (``PartitionedAdam.prepare_step``)."""
+
+    step_count: int
+    hypers: dict[int, AdamConfig]
+    grads: list[torch.Tensor]
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -119,20 +127,50 @@ class PartitionedAdam:
 
     def step(self, grad_multiplier: float) -> None:
         """One Adam step of every sub-group, then the updated params back into the flat buffer."""
+        self.step_states(grad_multiplier, self.prepare_step())
+        self.publish()
+
+    def prepare_step(self, grads: list[torch.Tensor] | None = None) -> StepPlan:
+        """What one step reads besides the states, fixed now (the step may run on another thread
+        while the LR scheduler moves on): the step number, each group's hyperparameters, the
+        gradient accumulators (``grads``, default the storage's). Counts the step."""
+        plan = StepPlan(self.step_count, {g: self._hyper(g) for g in range(len(self.optimizer.param_groups))},
+                        grads if grads is not None else [self.storage.grad(i) for i in range(len(self.layout.sub_groups))])
+        self.step_count += 1
+        return plan
+
+    def step_states(self, grad_multiplier: float, plan: StepPlan) -> None:
+        """Adam over every sub-group's state (NVMe I/O pipelined); the new low-precision params go
+        to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model)."""
         order = range(len(self.layout.sub_groups))
         self.storage.prefetch(order)
         for i in order:
             state = self.storage.acquire(i)
             self.storage.prefetch(order[i + 1:])
-            self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier)
+            self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan)
             self.storage.release(i, dirty=True)
-        self.step_count += 1
+
+    def publish(self) -> None:
+        """The updated params into the model: staging to the flat buffer, shards all-gathered."""
         if self._staging is not None:
             self._copy_staging_to_device()
         if self.gather and self._params_out is None:
             self._all_gather()
         if self._after_step is not None:
             self._after_step()
+
+    def use_staging(self) -> None:
+        """Write updated params to a staging buffer even on the CPU (a step running beside forward
+        must not write the params forward reads: ``offload.zero.delayed``)."""
+        if self._params_out is not None:
+            raise ConfigError("a staged parameter update is not supported with stage 3 (offload_param) yet")
+        if self._staging is None:
+            self._staging = torch.empty(self.layout.partition_numel, dtype=self.flat_params.dtype,
+                                        pin_memory=torch.cuda.is_available())
+            for sg in self.layout.sub_groups:
+                for p in sg.pieces:
+                    self._staging[p.part_start:p.part_start + p.numel].copy_(
+                        self.flat_params[p.flat_start:p.flat_start + p.numel])
 
     def write_params_from_master(self) -> None:
         """The params from the fp32 masters (after a resume, when only the tier kept the state)."""
@@ -164,10 +202,10 @@ class PartitionedAdam:
             return self._staging[piece.part_start:piece.part_start + piece.numel]
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
-    def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float) -> None:
+    def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float, plan: StepPlan) -> None:
         n = sg.numel
         master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
-        grad = self.storage.grad(sg.index)
+        grad = plan.grads[sg.index]
         for group in sorted({p.group for p in sg.pieces}):
             pieces = [p for p in sg.pieces if p.group == group]
             cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
@@ -176,12 +214,12 @@ class PartitionedAdam:
             ms = [exp_avg[a:b] for a, b in cut]
             vs = [exp_avg_sq[a:b] for a, b in cut]
             outs = [self._out(p) for p in pieces]
-            hyper = self._hyper(group)
+            hyper = plan.hypers[group]
             if self._on_host:
-                steps = [torch.full((1,), float(self.step_count)) for _ in pieces]
+                steps = [torch.full((1,), float(plan.step_count)) for _ in pieces]
                 adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
             else:
-                _torch_adam(masters, grads, ms, vs, outs, hyper, mult, self.step_count)
+                _torch_adam(masters, grads, ms, vs, outs, hyper, mult, plan.step_count)
 
     def _copy_staging_to_device(self) -> None:
         for sg in self.layout.sub_groups:

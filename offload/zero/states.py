@@ -112,6 +112,18 @@ class StateStorage:
         t = self._tensors.get(name)
         return t if t is not None else self._view(name, self.layout.sub_groups[sg].numel, cache=True)
 
+    def swap_grads(self, spare: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Land gradients in ``spare`` (one fp32 tensor per sub-group) from now on; returns the
+        accumulators used until now (a delayed step reads them while the next ones land)."""
+        if len(spare) != len(self.layout.sub_groups):
+            raise ConfigError(f"swap_grads: {len(spare)} buffers for {len(self.layout.sub_groups)} sub-groups")
+        old = [self.grad(i) for i in range(len(spare))]
+        for i, t in enumerate(spare):
+            if t.numel() != self.layout.sub_groups[i].numel or t.dtype != torch.float32:
+                raise ConfigError(f"swap_grads: buffer {i} must be {self.layout.sub_groups[i].numel} fp32 elements")
+            self._tensors[self._grad_name(i)] = t
+        return old
+
     def state(self, sg: int) -> torch.Tensor:
         """The state block ``[master | exp_avg | exp_avg_sq]``; it must be resident (see ``acquire``)."""
         name = self._state_name(sg)
@@ -211,9 +223,11 @@ class StateStorage:
             del self._handles[sg]
             self._placement[sg] = Placement.NVME
 
-    def bytes_by_tier(self) -> dict[str, int]:
-        """Bytes of state blocks per tier now (grads not counted); "in_flight" while a transfer has them."""
-        self.poll()
+    def bytes_by_tier(self, *, poll: bool = True) -> dict[str, int]:
+        """Bytes of state blocks per tier now (grads not counted); "in_flight" while a transfer has them.
+        ``poll`` False: as last seen, without retiring evicts (while another thread steps)."""
+        if poll:
+            self.poll()
         out = {"device": 0, "host": 0, "nvme": 0}
         for sg, where in zip(self.layout.sub_groups, self._placement):
             key = {Placement.DEVICE: "device", Placement.NVME: "nvme", Placement.IN_FLIGHT: "in_flight"}.get(where, "host")
