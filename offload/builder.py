@@ -253,12 +253,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         engine_box: list[Engine] = []
         facade = OffloadOptimizer([dict(g) for g in groups], defaults, lambda: engine_box[0].apply_update(),
                                   lambda: engine_box[0].zero_grad())
+        fetcher = _fetcher(ranks.device) if offloaded else None
         adam = PartitionedAdam(layout, storage, flat_params, optimizer=facade, adamw_mode=opt.adamw_mode,
                                bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,
                                gather=shard, params_out=parts.shards.params_out if parts else None,
-                               after_step=parts.coordinator.after_step if parts else None)
+                               after_step=parts.coordinator.after_step if parts else None, fetcher=fetcher)
         reducer = GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
-                              comm_world=ranks.world_size, land=adam.land)
+                              comm_world=ranks.world_size, land=adam.land, fetcher=fetcher)
         scheduler = _scheduler(lr_scheduler, cfg, facade)
         loader = _dataloader(training_data, cfg, ranks, collate_fn) if training_data is not None else None
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,
@@ -323,6 +324,16 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo):
         tier.close()  # a session without a commit (a start that died early): begin again
         tier = open_()
     return tier, verdict, payload, commit
+
+
+def _fetcher(device: torch.device):
+    """The copy streams of a GPU model whose optimizer state is on the host (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    from offload.gpu.select import startup_policy
+    from offload.gpu.transfers import Fetcher
+
+    return Fetcher(device, policy=startup_policy(device))  # [Note: batch threshold] in offload.gpu.select
 
 
 def _stop_on_sigterm(engine: Engine) -> None:

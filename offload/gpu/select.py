@@ -35,7 +35,7 @@ from csrc import ConfigError
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BATCH_BELOW_BYTES", "Split", "TransferPolicy", "crossover_bytes", "fuse_cast",
-           "measure_batch_threshold", "split_by_size"]
+           "measure_batch_threshold", "split_by_size", "startup_policy"]
 
 DEFAULT_BATCH_BELOW_BYTES = 256 << 10
 """The threshold where none was measured (see [Note: batch threshold])."""
@@ -154,3 +154,21 @@ def measure_batch_threshold(device: torch.device, *, total_bytes: int = 8 << 20,
     logger.info("batch threshold measured on %s: %d bytes (per-size us one by one %s, batched %s)", device,
                 threshold, [round(t * 1e6) for t in singles], [round(t * 1e6) for t in batched])
     return threshold
+
+
+def startup_policy(device: torch.device, measure: Callable[[torch.device], int] = measure_batch_threshold
+                   ) -> TransferPolicy:
+    """The policy an engine starts with: the threshold measured on a GPU, the default elsewhere. A
+    measurement that fails (a driver or Triton that refuses the mapped pointers) is logged and
+    batching turned off: every copy then goes one by one, which is always correct."""
+    if device.type != "cuda":
+        return TransferPolicy()
+    t0 = time.perf_counter()
+    try:
+        threshold = measure(device)
+    except Exception as exc:  # anything the kernel's launch raises: fall back, never stop training
+        logger.warning("measuring the batch threshold on %s failed (%s: %s); copying every tensor by itself",
+                       device, type(exc).__name__, exc)
+        return TransferPolicy(batch_below_bytes=0)
+    logger.info("batch threshold %d bytes (measured in %.2f s)", threshold, time.perf_counter() - t0)
+    return TransferPolicy(batch_below_bytes=threshold)

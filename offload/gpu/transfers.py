@@ -121,6 +121,11 @@ class Fetcher:
         if pending.event is not None:
             torch.cuda.current_stream(self.device).wait_event(pending.event)
 
+    def wait_sources(self, pending: Pending | None) -> None:
+        """Block the host until a fetch has read its host sources (before they are written again)."""
+        if pending is not None and pending.event is not None:
+            pending.event.synchronize()
+
     # -- device -> host --------------------------------------------------------------------
 
     def start_offload(self, pairs: Sequence[Pair]) -> Pending:

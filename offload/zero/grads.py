@@ -17,7 +17,7 @@ bytes are still in cache.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,9 @@ class GradReducer:
     """Hooks on the parameters; buckets reduced as they complete; landed in order."""
 
     def __init__(self, layout: FlatLayout, flat_grads: torch.Tensor, params: Sequence[torch.nn.Parameter], *,
-                 stage: int, group: dist.ProcessGroup | None, comm_world: int, land: Land) -> None:
+                 stage: int, group: dist.ProcessGroup | None, comm_world: int, land: Land, fetcher: Any = None) -> None:
+        """``fetcher`` (``offload.gpu.Fetcher``; a GPU model whose optimizer state is on the host): reduced
+        buckets go to pinned host buffers on its D2H stream while backward goes on, and land after it."""
         self.layout = layout
         self.flat_grads = flat_grads
         self.params = list(params)
@@ -43,6 +45,9 @@ class GradReducer:
         self.group = group
         self.comm_world = comm_world
         self._land = land
+        self._fetcher = fetcher
+        self._host: dict[int, torch.Tensor] = {}  # bucket -> pinned host copy of its reduced gradient
+        self._offloading: list[tuple[Bucket, torch.Tensor, Any]] = []  # D2H in flight: (bucket, host, pending)
         self._bucket_of = {}
         for b in layout.buckets:
             for i in b.slots:
@@ -89,6 +94,9 @@ class GradReducer:
         self._launched[b.index] = True
         buf = self.flat_grads[b.start:b.start + b.numel]
         if self.comm_world == 1:
+            if self._fetcher is not None and buf.is_cuda:
+                self._start_offload(b, buf)
+                return
             self._land(b, buf, self._first, self._final)
             buf.zero_()
             return
@@ -112,9 +120,24 @@ class GradReducer:
         inflight, self._inflight = self._inflight, []
         for b, shard, work in inflight:
             work.wait()
+            if self._fetcher is not None and shard.is_cuda:
+                self._start_offload(b, shard)
+                continue
             self._land(b, shard, self._first, self._final)
             self.flat_grads[b.start:b.start + b.numel].zero_()
+        offloading, self._offloading = self._offloading, []
+        for b, host, pending in offloading:
+            self._fetcher.wait_offload(pending)
+            self._land(b, host, self._first, self._final)
+            self.flat_grads[b.start:b.start + b.numel].zero_()  # after the copy read it (waited above)
         self._active = False
+
+    def _start_offload(self, b: Bucket, src: torch.Tensor) -> None:
+        """A reduced bucket (or shard) to its pinned host buffer, on the D2H stream; landed in ``end``."""
+        host = self._host.get(b.index)
+        if host is None or host.numel() != src.numel():
+            host = self._host[b.index] = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+        self._offloading.append((b, host, self._fetcher.start_offload([(host, src)])))
 
     def zero(self) -> None:
         self.flat_grads.zero_()

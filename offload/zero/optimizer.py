@@ -63,9 +63,10 @@ class PartitionedAdam:
                  optimizer: OffloadOptimizer, adamw_mode: bool, bias_correction: bool,
                  group: dist.ProcessGroup | None, comm_world: int, gather: bool, num_threads: int | None = None,
                  params_out: Callable[[Piece], torch.Tensor] | None = None,
-                 after_step: Callable[[], None] | None = None) -> None:
+                 after_step: Callable[[], None] | None = None, fetcher: Any = None) -> None:
         """``params_out`` (stage 3): where a piece's updated low-precision params go instead of the
-        flat buffer (this rank's shard; nothing is gathered after the step); ``after_step`` runs then."""
+        flat buffer (this rank's shard; nothing is gathered after the step); ``after_step`` runs then.
+        ``fetcher`` (``offload.gpu.Fetcher``, a GPU model): copies the staged params to the device."""
         self.layout = layout
         self.storage = storage
         self.flat_params = flat_params
@@ -84,6 +85,8 @@ class PartitionedAdam:
         if not self._on_host and not bias_correction:
             raise ConfigError("optimizer.params.bias_correction false is not supported with the optimizer "
                               "state on a GPU (torch's Adam always corrects): offload it to cpu or nvme")
+        self._fetcher = fetcher
+        self._fetch_pending = None  # the last staging -> device copy, until its sources may be rewritten
         self._staging = None
         if self._on_host and flat_params.device.type != "cpu" and params_out is None:
             self._staging = torch.empty(layout.partition_numel, dtype=flat_params.dtype,
@@ -144,6 +147,7 @@ class PartitionedAdam:
         to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model)."""
         order = range(len(self.layout.sub_groups))
         self.storage.prefetch(order)
+        self._staging_free()
         for i in order:
             state = self.storage.acquire(i)
             self.storage.prefetch(order[i + 1:])
@@ -175,6 +179,7 @@ class PartitionedAdam:
     def write_params_from_master(self) -> None:
         """The params from the fp32 masters (after a resume, when only the tier kept the state)."""
         order = range(len(self.layout.sub_groups))
+        self._staging_free()
         for i in order:
             state = self.storage.acquire(i)
             self.storage.prefetch(order[i + 1:])
@@ -222,10 +227,21 @@ class PartitionedAdam:
                 _torch_adam(masters, grads, ms, vs, outs, hyper, mult, plan.step_count)
 
     def _copy_staging_to_device(self) -> None:
-        for sg in self.layout.sub_groups:
-            for p in sg.pieces:
-                self.flat_params[p.flat_start:p.flat_start + p.numel].copy_(
-                    self._staging[p.part_start:p.part_start + p.numel], non_blocking=True)
+        pairs = [(self.flat_params[p.flat_start:p.flat_start + p.numel], self._staging[p.part_start:p.part_start + p.numel])
+                 for sg in self.layout.sub_groups for p in sg.pieces]
+        if self._fetcher is None:
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            return
+        # H2D on the fetcher's stream; the compute stream (the next forward) waits for it, the host does not
+        self._fetch_pending = self._fetcher.start_fetch(pairs)
+        self._fetcher.wait_fetch(self._fetch_pending)
+
+    def _staging_free(self) -> None:
+        """Before the staging buffer is written again: the last copy out of it has read it."""
+        if self._fetch_pending is not None:
+            self._fetcher.wait_sources(self._fetch_pending)
+            self._fetch_pending = None
 
     def _all_gather(self) -> None:
         works = []

@@ -77,3 +77,17 @@ def test_measured_threshold_is_one_of_the_probe_sizes_or_an_end():
 
     threshold = measure_batch_threshold(torch.device("cuda"))
     assert threshold in (0, PROBE_SIZES_BYTES[-1] + 1) + PROBE_SIZES_BYTES
+
+
+def test_startup_policy_measures_on_a_gpu_and_falls_back_on_failure(caplog):
+    from offload.gpu.select import startup_policy
+
+    assert startup_policy(torch.device("cpu")) == TransferPolicy()
+    assert startup_policy(torch.device("cuda"), measure=lambda d: 12345).batch_below_bytes == 12345
+
+    def refuses(device):
+        raise RuntimeError("Pointer argument cannot be accessed from Triton")
+
+    policy = startup_policy(torch.device("cuda"), measure=refuses)
+    assert policy.batch_below_bytes == 0
+    assert "copying every tensor by itself" in caplog.text
