@@ -133,7 +133,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     given = {"steps": args.steps, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
              "n_layer": args.n_layer, "n_embd": args.n_embd, "offload_device": args.device,
-             "swap_dir": args.swap_dir, "seed": args.seed, "plot_path": args.plot}
+             "swap_dir": args.swap_dir, "seed": args.seed, "plot_path": args.plot,
+             "delayed_update_warmup_steps": args.delayed_update}
     # A flag left out keeps DemoConfig's default, so the defaults live in one place.
     config = DemoConfig(show_progress=not args.no_progress, **{k: v for k, v in given.items() if v is not None})
     run_demo(config)
@@ -172,6 +173,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--n-embd", type=int, help="model width (128)")
     m.add_argument("--swap-dir", help="directory for the swap file (a temporary directory)")
     m.add_argument("--seed", type=int, help="model init and data seed (0)")
+    m.add_argument("--delayed-update", type=int, metavar="WARMUP",
+                   help="the one-step delayed parameter update after WARMUP ordinary steps (off)")
     m.add_argument("--no-progress", action="store_true", help="no progress bar, only the summary")
     m.add_argument("--log-level", type=_log_level, default=logging.WARNING)
     m.set_defaults(fn=_demo)

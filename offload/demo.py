@@ -69,6 +69,8 @@ class DemoConfig:
     """Directory for the NVMe swap file; None: a TemporaryDirectory removed at the end."""
     seed: int = 0
     """Seed of the model's init and of the training windows' offsets."""
+    delayed_update_warmup_steps: int | None = None
+    """None: ordinary steps; N: offload.delayed_update after N ordinary steps (offload.zero.delayed)."""
     val_windows: int = 64
     """Held-out windows the validation loss is the mean over."""
     plot_path: str | None = None
@@ -93,6 +95,9 @@ class DemoConfig:
             raise ConfigError(f"DemoConfig.compute_threads must be >= 0, got {self.compute_threads!r}")
         if self.offload_device not in DEVICES:
             raise ConfigError(f"DemoConfig.offload_device must be one of {DEVICES}, got {self.offload_device!r}")
+        if self.delayed_update_warmup_steps is not None and self.delayed_update_warmup_steps < 0:
+            raise ConfigError(f"DemoConfig.delayed_update_warmup_steps must be >= 0, "
+                              f"got {self.delayed_update_warmup_steps!r}")
         if not self.lr > 0:
             raise ConfigError(f"DemoConfig.lr must be > 0, got {self.lr!r}")
 
@@ -121,7 +126,11 @@ def ds_config(config: DemoConfig, nvme_path: str | None) -> dict[str, Any]:
     offload_optimizer: dict[str, Any] = {"device": config.offload_device}
     if config.offload_device == "nvme":
         offload_optimizer["nvme_path"] = nvme_path
+    extra: dict[str, Any] = {}
+    if config.delayed_update_warmup_steps is not None:
+        extra["offload"] = {"delayed_update": True, "delayed_update_warmup_steps": config.delayed_update_warmup_steps}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": config.micro_batch,
         "gradient_accumulation_steps": config.grad_accum,
         "optimizer": {"type": "AdamW", "params": {"lr": config.lr, "betas": [0.9, 0.99], "eps": 1e-8,

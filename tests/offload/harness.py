@@ -154,18 +154,24 @@ def run_torch(model: nn.Module, batches: Iterable, *, optimizer: str = "AdamW", 
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for mx, my in zip(x.chunk(gas), y.chunk(gas)):
-            loss = loss_fn(model(mx), my)
-            (loss / gas).backward()
-            total += loss.item()
+        mean_loss = accumulate(model, x, y, gas)
         if clip:
             norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip)
             if norms_out is not None:
                 norms_out.append(norm.item())
         opt.step()
-        losses.append(total / gas)
+        losses.append(mean_loss)
     return losses, {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def accumulate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gas: int) -> float:
+    """Forward and backward of one step's ``gas`` micro-batches (loss / gas each); their mean loss."""
+    total = 0.0
+    for mx, my in zip(x.chunk(gas), y.chunk(gas)):
+        loss = loss_fn(model(mx), my)
+        (loss / gas).backward()
+        total += loss.item()
+    return total / gas
 
 
 def twin_models(seed: int = 0) -> tuple[nn.Module, nn.Module]:

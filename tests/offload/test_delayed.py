@@ -16,7 +16,8 @@ import torch
 from csrc import ConfigError
 from offload.builder import initialize
 from tests.offload.harness import (
-    assert_losses_close, engine_config, loss_fn, make_batches, param_groups, run_engine, torch_optimizer, twin_models,
+    accumulate, assert_losses_close, engine_config, loss_fn, make_batches, param_groups, run_engine, torch_optimizer,
+    twin_models,
 )
 
 STEPS = 20
@@ -24,20 +25,17 @@ WARMUP = 3
 BATCH = 8
 
 
-def run_torch_delayed(model, batches, *, warmup: int, gas: int = 1):
+def run_torch_delayed(model, batches, *, warmup: int, gas: int = 1, clip: float = 0.0):
     master = copy.deepcopy(model)
     opt = torch_optimizer("AdamW", param_groups(master), foreach=False)
     losses = []
     for step, (x, y) in enumerate(batches):
         model.zero_grad(set_to_none=True)
-        total = 0.0
-        for mx, my in zip(x.chunk(gas), y.chunk(gas)):
-            loss = loss_fn(model(mx), my)
-            (loss / gas).backward()
-            total += loss.item()
-        losses.append(total / gas)
+        losses.append(accumulate(model, x, y, gas))
         for p, q in zip(master.parameters(), model.parameters()):
             p.grad = None if q.grad is None else q.grad.clone()
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in master.parameters() if p.grad is not None], clip)
         delayed = step >= warmup
         if delayed:  # the update started at the last boundary reaches the model now
             with torch.no_grad():
@@ -80,6 +78,21 @@ def test_delayed_update_matches_a_hand_delayed_torch_loop(stage, device, gas, tm
     plain_losses, _, _ = run_torch_delayed(plain, batches, warmup=STEPS, gas=gas)
     assert plain_losses[:WARMUP + 1] == pytest.approx(ref_losses[:WARMUP + 1], rel=1e-6)
     assert max(abs(a - b) / b for a, b in zip(plain_losses[WARMUP + 2:], ref_losses[WARMUP + 2:])) > 1e-3
+
+
+def test_delayed_update_with_clipping_clips_each_step_by_its_own_norm(tmp_path):
+    model, ref = twin_models()
+    batches = make_batches(STEPS, BATCH)
+    config = _config(2, "nvme", tmp_path)
+    config["gradient_clipping"] = 0.5
+    losses, params = run_engine(model, config, batches)
+    ref_losses, ref_params, _ = run_torch_delayed(ref, batches, warmup=WARMUP, clip=0.5)
+    _, unclipped = twin_models()
+    unclipped_losses, _, _ = run_torch_delayed(unclipped, batches, warmup=WARMUP)
+    assert_losses_close(losses, ref_losses, rel=1e-5)
+    for name in params:
+        torch.testing.assert_close(params[name], ref_params[name], msg=lambda m: f"{name}: {m}")
+    assert max(abs(a - b) / b for a, b in zip(unclipped_losses, ref_losses)) > 1e-3, "clipping should bite"
 
 
 def test_warmup_longer_than_the_run_changes_nothing(tmp_path):
@@ -163,3 +176,13 @@ def test_off_by_default():
 
     cfg = read_config(engine_config(stage=2, device="cpu"), world_size=1)
     assert cfg.offload.delayed_update is False and cfg.offload.delayed_update_warmup_steps == 40
+
+
+def test_demo_flag_turns_it_on():
+    from offload.demo import DemoConfig, ds_config
+
+    assert "offload" not in ds_config(DemoConfig(offload_device="cpu"), None)
+    ds = ds_config(DemoConfig(offload_device="cpu", delayed_update_warmup_steps=7), None)
+    assert ds["offload"] == {"delayed_update": True, "delayed_update_warmup_steps": 7}
+    with pytest.raises(ConfigError, match="delayed_update_warmup_steps"):
+        DemoConfig(delayed_update_warmup_steps=-1)
