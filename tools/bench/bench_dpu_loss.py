@@ -1,7 +1,7 @@
 """The delayed parameter update's effect on the loss curve: the demo GPT trained twice from the
 same seed and data, ordinary steps against ``offload.delayed_update`` after a warm-up.
 
-    .venv/bin/python tools/bench/bench_dpu_loss.py [--steps 200] [--warmup 20] [--device cpu] [--every 20]
+    .venv/bin/python tools/bench/bench_dpu_loss.py [--steps 200] [--warmup 20] [--device cpu] [--every 20] [--lr 3e-3]
 
 Prints, every ``--every`` steps, the mean training loss of the last ``--every`` steps for both
 runs and their difference, the held-out loss at the end of each, and the step rate of each
@@ -30,14 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--device", default="cpu", choices=("cpu", "nvme"))
     ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--lr", type=float, default=DemoConfig().lr, help="peak learning rate (the demo's 3e-3)")
     args = ap.parse_args(argv)
     runs = {}
     for name, warmup in (("ordinary", None), ("delayed", args.warmup)):
-        config = DemoConfig(steps=args.steps, offload_device=args.device, show_progress=False,
+        config = DemoConfig(steps=args.steps, offload_device=args.device, show_progress=False, lr=args.lr,
                             delayed_update_warmup_steps=warmup)
         runs[name] = run_demo(config, console=Console(file=io.StringIO()))  # no summary
     a, b = runs["ordinary"], runs["delayed"]
-    print(f"demo GPT, {args.steps} steps, offload_optimizer {args.device}; delayed update after {args.warmup} steps\n")
+    print(f"demo GPT, {args.steps} steps, lr {args.lr:g}, offload_optimizer {args.device}; "
+          f"delayed update after {args.warmup} steps\n")
     print(f"| steps | loss, ordinary | loss, delayed (warm-up {args.warmup}) | delayed - ordinary |")
     print("|---:|---:|---:|---:|")
     for end in range(args.every, args.steps + 1, args.every):
