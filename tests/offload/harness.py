@@ -164,11 +164,13 @@ def run_torch(model: nn.Module, batches: Iterable, *, optimizer: str = "AdamW", 
     return losses, {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def accumulate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gas: int) -> float:
-    """Forward and backward of one step's ``gas`` micro-batches (loss / gas each); their mean loss."""
+def accumulate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gas: int,
+               loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
+    """Forward and backward of one step's ``gas`` micro-batches (loss / gas each); their mean loss.
+    ``loss_of(model, x, y)``: the loss (default ``loss_fn(model(x), y)``)."""
     total = 0.0
     for mx, my in zip(x.chunk(gas), y.chunk(gas)):
-        loss = loss_fn(model(mx), my)
+        loss = loss_of(model, mx, my) if loss_of is not None else loss_fn(model(mx), my)
         (loss / gas).backward()
         total += loss.item()
     return total / gas

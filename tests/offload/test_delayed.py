@@ -25,13 +25,13 @@ WARMUP = 3
 BATCH = 8
 
 
-def run_torch_delayed(model, batches, *, warmup: int, gas: int = 1, clip: float = 0.0):
+def run_torch_delayed(model, batches, *, warmup: int, gas: int = 1, clip: float = 0.0, optimizer=None, loss_of=None):
     master = copy.deepcopy(model)
-    opt = torch_optimizer("AdamW", param_groups(master), foreach=False)
+    opt = optimizer(master) if optimizer is not None else torch_optimizer("AdamW", param_groups(master), foreach=False)
     losses = []
     for step, (x, y) in enumerate(batches):
         model.zero_grad(set_to_none=True)
-        losses.append(accumulate(model, x, y, gas))
+        losses.append(accumulate(model, x, y, gas, loss_of))
         for p, q in zip(master.parameters(), model.parameters()):
             p.grad = None if q.grad is None else q.grad.clone()
         if clip:
@@ -93,6 +93,38 @@ def test_delayed_update_with_clipping_clips_each_step_by_its_own_norm(tmp_path):
     for name in params:
         torch.testing.assert_close(params[name], ref_params[name], msg=lambda m: f"{name}: {m}")
     assert max(abs(a - b) / b for a, b in zip(unclipped_losses, ref_losses)) > 1e-3, "clipping should bite"
+
+
+def test_the_demo_gpt_with_its_tied_head_matches_too():
+    """The GPT of the demo (a head tied to the token embedding, clipping, AdamW at its lr), small."""
+    from offload.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=32), seed=0)
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 40, (4, 16), generator=gen), torch.randint(0, 40, (4, 16), generator=gen))
+               for _ in range(STEPS)]
+    hyper = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
+    config = {"train_batch_size": 4, "steps_per_print": 1000, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {**hyper, "betas": list(hyper["betas"])}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              "offload": {"delayed_update": True, "delayed_update_warmup_steps": WARMUP}}
+    engine, _, _, _ = initialize(model=model, config=config)
+    losses = []
+    try:
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        engine.close()
+    oracle = {"clip": 1.0, "loss_of": lambda m, x, y: m(x, y),
+              "optimizer": lambda m: torch.optim.AdamW(m.parameters(), **hyper)}
+    undelayed, _, _ = run_torch_delayed(copy.deepcopy(ref), batches, warmup=STEPS, **oracle)
+    ref_losses, _, _ = run_torch_delayed(ref, batches, warmup=WARMUP, **oracle)
+    assert_losses_close(losses, ref_losses, rel=1e-5)
+    assert max(abs(a - b) / b for a, b in zip(undelayed, ref_losses)) > 1e-4, "the delay must show in the losses"
 
 
 def test_warmup_longer_than_the_run_changes_nothing(tmp_path):
