@@ -27,8 +27,9 @@ so every rank issues them in the same order.
 Its effect on the loss: the README's table ("GPU path and the delayed update"), from
 ``tools/bench/bench_dpu_loss.py --steps 300 --warmup 20|100 --every 30``: the demo GPT at
 lr 3e-3, ordinary against delayed after 20 / 100 steps, mean loss over steps 271-300
-2.097 / 2.608 / 2.442, held-out 2.053 / 2.604 / 2.427. One stale step costs this model a
-lot at this learning rate; the steps ran 1.2x faster even on 2 shared CPU cores.
+2.097 / 2.608 / 2.442, held-out 2.053 / 2.604 / 2.427 (at lr 1e-3, warm-up 100: held-out
+2.146 ordinary, 2.337 delayed). One stale step costs this small model a lot; judge it on the
+curve of the model at hand.
 
 Not yet: stage 3 (the update writes the param shards the hooks gather from), and a step
 whose state is on the GPU (offload_optimizer none: nothing to overlap).
