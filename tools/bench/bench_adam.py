@@ -13,14 +13,21 @@ figure, not a memory one, and ours / roofline there is not an efficiency.
 
 Cases (a shape is "N params x T tensors", the params split evenly):
   fp32  CPUAdam.step() against AdamW(fused=True) (and with --foreach AdamW(foreach=True)),
-        all through the optimizer API.
+        all through the optimizer API. With --static, also ours with the pool's idle-CPU
+        rule turned off (``set_dynamic_threads(False)`` around its steps): every thread
+        asked for starts at once, busy CPUs or not.
   bf16  the offload step: bf16 grads in, scaled, fp32 master and moments updated, a bf16
         copy of the new params out. Ours is one cpu_adam.adam_step call; torch's is the
         fastest of two equivalent sequences (convert grads, fused AdamW with or without its
         own grad_scale, copy params to bf16), each timed whole.
 
+The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32) or
+>= 1.3x torch's fastest sequence (bf16), and >= 0.9 of the roofline where the four
+arrays (16 B a param) exceed the last-level cache. The load average (1 minute) at the
+end of each case is in the summary: other work on the machine moves every figure.
+
 Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8]
-       [--rounds R] [--out FILE]
+       [--rounds R] [--static] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -41,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cpu_adam import AdamConfig, CPUAdam, adam_step, default_num_threads, resolve_isa  # noqa: E402
-from cpu_adam.kernels import stream_inplace  # noqa: E402
+from cpu_adam.kernels import set_dynamic_threads, stream_inplace  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, WD, SCALE = 1e-4, 0.01, 1.0 / 1024.0
@@ -51,6 +58,9 @@ SAMPLE_SECONDS = 0.01  # one sample of a contender times a block of steps this l
 DEFAULT_SHAPES = ["1e5x1000", "1e6x1", "1e6x100", "1e6x1000", "1e7x1", "1e7x10", "1e7x100",
                   "1e7x1000", "1e8x1", "1e8x100", "1e8x1000"]
 DEFAULT_BF16 = ["1e6", "1e7", "1e8"]
+TARGET_VS_TORCH = {"fp32": 1.0, "bf16": 1.3}  # ours / torch fused (bf16: its fastest sequence)
+TARGET_VS_ROOFLINE = 0.9  # where the arrays exceed the last-level cache
+ROOFLINE_BYTES_PER_PARAM = 16  # the four float32 arrays that must not fit in the LLC
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -87,13 +97,30 @@ def _roofline(n: int, threads: int) -> Callable[[], None]:
     return lambda: stream_inplace(a, b, c, d, num_threads=threads)
 
 
-def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool) -> dict[str, Callable[[], None]]:
+def _without_dynamic_threads(step: Callable[[], object]) -> Callable[[], None]:
+    """``step`` with the pool's idle-CPU rule off while it runs (the rule is process-wide)."""
+
+    def run() -> None:
+        before = set_dynamic_threads(False)
+        try:
+            step()
+        finally:
+            set_dynamic_threads(before)
+
+    return run
+
+
+def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool,
+                    static: bool = False) -> dict[str, Callable[[], None]]:
     sizes = _split(n, tensors)
     ours = _params_with_grads(sizes, 0)
     fused = _params_with_grads(sizes, 0)
     opt_ours = CPUAdam(ours, lr=LR, weight_decay=WD, num_threads=threads)
     opt_fused = torch.optim.AdamW(fused, lr=LR, weight_decay=WD, fused=True)
     contenders = {"ours": opt_ours.step, "torch_fused": opt_fused.step}
+    if static:
+        opt_static = CPUAdam(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, num_threads=threads)
+        contenders["ours_static"] = _without_dynamic_threads(opt_static.step)
     if foreach:
         opt_foreach = torch.optim.AdamW(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, foreach=True)
         contenders["torch_foreach"] = opt_foreach.step
@@ -188,12 +215,35 @@ def summarize(case: str, n: int, samples: dict[str, list[float]], peers: list[st
 
 
 def summary_table(summary: dict[str, dict[str, str]]) -> list[str]:
-    """One line per case: ours against torch and against the roofline."""
-    rows = ["", "| case | ours / torch fused (or fastest) | ours / roofline |", "| --- | --- | --- |"]
+    """One line per case: ours against torch and the roofline, the targets, the load at its end."""
+    rows = ["", "| case | ours / torch fused (or fastest) | ours / roofline | targets | load |",
+            "| --- | --- | --- | --- | --- |"]
     for case, ratios in summary.items():
         torch_ratio = ratios.get("torch_fused", ratios.get("torch_fastest", ""))
-        rows.append(f"| {case} | {torch_ratio} | {ratios.get('roofline', '')} |")
+        rows.append(f"| {case} | {torch_ratio} | {ratios.get('roofline', '')} | {ratios.get('targets', '')} "
+                    f"| {ratios.get('load', '')} |")
     return rows
+
+
+def _median_ratio(text: str) -> float:
+    return float(text.split("x", 1)[0])
+
+
+def judge(case: str, kind: str, n: int, llc: int | None, summary: dict[str, dict[str, str]]) -> None:
+    """Add the issue's targets, met or not, and the load average to ``summary[case]``."""
+    ratios = summary[case]
+    peer = "torch_fused" if kind == "fp32" else "torch_fastest"
+    verdicts = []
+    want = TARGET_VS_TORCH[kind]
+    got = _median_ratio(ratios[peer])
+    verdicts.append(f"torch >= {want:.1f}x: {'met' if got >= want else '**not met**'}")
+    if llc is not None and n * ROOFLINE_BYTES_PER_PARAM > llc:
+        got = _median_ratio(ratios["roofline"])
+        verdicts.append(f"roofline >= {TARGET_VS_ROOFLINE}: {'met' if got >= TARGET_VS_ROOFLINE else '**not met**'}")
+    else:
+        verdicts.append("roofline: in cache, no target")
+    ratios["targets"] = "; ".join(verdicts)
+    ratios["load"] = f"{os.getloadavg()[0]:.2f}"
 
 
 def _best_torch(samples: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -208,18 +258,45 @@ def _shape(text: str) -> tuple[int, int]:
     return int(float(n)), int(t or 1)
 
 
-def cpu_description() -> str:
-    """CPU model, family/model/stepping and last-level cache, from /proc/cpuinfo and sysfs."""
+def _cpu_fields() -> dict[str, str]:
+    """The first CPU's entries of /proc/cpuinfo (empty where it cannot be read)."""
     fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, sep, value = line.partition(":")
-            if not sep:
-                if fields:
-                    break  # the first CPU is enough
-                continue
-            fields.setdefault(key.strip(), value.strip())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
+        return fields
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break  # the first CPU is enough
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (bench_step names the machine with it)."""
+    return _cpu_fields().get("model name") or platform.processor() or platform.machine()
+
+
+def llc_bytes() -> int | None:
+    """Size of the last-level cache from sysfs, or None."""
+    cache = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(cache.glob("index*"), reverse=True):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return None
+
+
+def cpu_description() -> str:
+    """CPU model, family/model/stepping and last-level cache, from /proc/cpuinfo and sysfs."""
+    fields = _cpu_fields()
+    if not fields:
         return platform.processor() or platform.machine()
     llc = "?"
     cache = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -243,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case; default by size (40-200)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--foreach", action="store_true", help="also time AdamW(foreach=True)")
+    ap.add_argument("--static", action="store_true",
+                    help="also time ours with the idle-CPU rule off (set_dynamic_threads(False))")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -264,20 +343,24 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header), flush=True)
     rows: list[str] = []
     summary: dict[str, dict[str, str]] = {}
+    llc = llc_bytes()
     for text in args.shapes:
         n, tensors = _shape(text)
         rounds = _rounds_for(n, args.rounds)
-        samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach), rounds)
+        samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach, args.static), rounds)
         peers = [k for k in samples if k != "ours"]
-        rows += _emit(summarize(f"fp32 {n:.0e} x {tensors} ({rounds} rounds)", n, samples, peers, summary))
+        case = f"fp32 {n:.0e} x {tensors} ({rounds} rounds)"
+        rows += _emit(summarize(case, n, samples, peers, summary))
+        judge(case, "fp32", n, llc, summary)
         del samples
         gc.collect()
     for text in args.bf16:
         n = int(float(text))
         rounds = _rounds_for(n, args.rounds)
         samples = _best_torch(measure(bf16_contenders(n, args.threads), rounds))
-        rows += _emit(summarize(f"bf16 offload step {n:.0e} ({rounds} rounds)", n, samples,
-                                ["torch_fastest", "roofline"], summary))
+        case = f"bf16 offload step {n:.0e} ({rounds} rounds)"
+        rows += _emit(summarize(case, n, samples, ["torch_fastest", "roofline"], summary))
+        judge(case, "bf16", n, llc, summary)
         gc.collect()
     footer = summary_table(summary) + ["", f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     print("\n".join(footer), flush=True)
