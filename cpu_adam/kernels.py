@@ -37,7 +37,6 @@ __all__ = [
     "default_num_threads",
     "grad_sumsq",
     "resolve_isa",
-    "set_dynamic_threads",
     "stream_inplace",
 ]
 
@@ -97,12 +96,6 @@ def _resolve_uncached(isa: Isa | str | int) -> Isa:
     return isa
 
 
-def set_dynamic_threads(on: bool) -> bool:
-    """Let short calls leave out CPUs that other tasks are running on (the default); returns
-    the previous setting. Process-wide; results are the same either way."""
-    return bool(lib.ofl_adam_set_dynamic_threads(int(on)))
-
-
 def default_num_threads() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0))
@@ -160,12 +153,10 @@ def checked_addresses(tensors: Sequence[torch.Tensor], dtype: torch.dtype,
     ``numels`` is None, of that many elements); None if any check fails.
 
     [Note: checks per tensor]
-    These run for every tensor of every step, so each uses the cheapest accessor torch
-    offers (``is_cpu``, not ``device.type``; ``is`` for dtypes, which are singletons):
-    about 40 ns a tensor and check on a Zen 5 core. Over one list (a plan's gradients) a
-    ``map`` per check costs least; over the five or six lists of an ``adam_step`` call,
-    one loop over the rows costs less than a ``map`` per list and check. The slow path
-    (``explain``) runs only after a failure, to name the tensor.
+    These run for every tensor of every step, so each check is one pass of ``map`` over the
+    list with the cheapest accessor torch offers (``is_cpu``, not ``device.type``): about
+    40 ns a tensor and check, where a loop testing every condition per tensor costs several
+    times that. The slow path (``explain``) runs only after a failure, to name the tensor.
     """
     try:
         ok = (all(map(_IS_CPU, tensors)) and all(map(_CONTIGUOUS, tensors))

@@ -17,8 +17,6 @@
 
 int32_t ofl_adam_abi_version(void) { return OFL_ADAM_ABI_VERSION; }
 
-int32_t ofl_adam_set_dynamic_threads(int32_t on) { return ofl_parallel_set_dynamic(on); }
-
 int32_t ofl_adam_isa_supported(int32_t isa) {
     switch (isa) {
     case OFL_ISA_AUTO:

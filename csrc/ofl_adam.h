@@ -80,11 +80,6 @@ int32_t ofl_adam_step(const ofl_adam_config *config, const ofl_adam_tensors *ten
 int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t count,
                        int32_t dtype, int32_t isa, int32_t num_threads, double *sumsq_out);
 
-/* Whether a short call may take fewer threads than asked, leaving out CPUs that other
- * tasks are running on (on by default; see [Note: idle CPUs] in ofl_parallel.h). The
- * results are the same either way. Process-wide; returns the previous setting. */
-int32_t ofl_adam_set_dynamic_threads(int32_t on);
-
 /* Roofline probe with Adam's memory traffic: a += b; c += b; d += b, in place over
  * n floats (reads 16 bytes and writes 12 per element, as Adam does). */
 int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t n,

@@ -3,12 +3,10 @@
 #define _GNU_SOURCE
 #include "ofl_parallel.h"
 
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -23,15 +21,9 @@
  * runtimes spin for milliseconds; this is kept short, as the spin takes a core from
  * whatever else the machine runs. */
 #define OFL_WORKER_SPIN_NS 100000u
-/* How often (in chunks of its own share) the caller of a call of at least
- * OFL_OFFER_MIN_CHUNKS chunks looks for CPUs that have become idle and starts workers on
- * them ([Note: idle CPUs]); a look is one pread. A shorter call is over before a worker
- * started late would help: measured on 1e6 params, waking one halfway made it slower. */
-#define OFL_OFFER_EVERY_CHUNKS 16
-#define OFL_OFFER_MIN_CHUNKS 64
-/* How long the caller looks at its workers before it sleeps until they are done: with
- * stealing they finish within about one chunk of the caller (tens of microseconds). */
-#define OFL_CALLER_SPIN_NS 200000u
+/* How often the caller looks at its workers before it sleeps until they are done:
+ * with stealing they finish within about one chunk of the caller (tens of microseconds). */
+#define OFL_CALLER_SPINS 4096
 
 static void futex_wait(uint32_t *word, uint32_t expected) {
     syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
@@ -70,18 +62,11 @@ static struct {
     ofl_task_fn fn;       /* the current call, read by workers after their wake-up */
     void *ctx;
     int32_t count;
-    int32_t usable;       /* workers the current call may start: 1..usable */
-    int32_t woken;        /* workers it has started: 1..woken */
-    _Alignas(64) uint32_t pending; /* workers started on the current call and still running */
+    _Alignas(64) uint32_t pending; /* workers of the current call still running */
     ofl_worker workers[OFL_MAX_THREADS];
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-
-static int32_t dynamic_threads = 1; /* ofl_parallel_set_dynamic */
-static int32_t spinning;            /* pool workers spinning now: running, yet ours to use */
-static int loadavg_fd = -1;         /* /proc/loadavg, or -1 where it cannot be read */
-static int32_t online_cpus = 1;
 
 /* In a forked child only the forking thread exists: forget the parent's workers. */
 static void pool_after_fork_in_child(void) {
@@ -89,41 +74,11 @@ static void pool_after_fork_in_child(void) {
     pool.lock = fresh;
     pool.started = 0;
     pool.pending = 0;
-    spinning = 0;
     for (int32_t i = 0; i < OFL_MAX_THREADS; i++)
         pool.workers[i].wake = pool.workers[i].sleeping = pool.workers[i].claim = 0;
 }
 
-static void pool_init_once(void) {
-    pthread_atfork(NULL, NULL, pool_after_fork_in_child);
-    loadavg_fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC); /* pread: shared offsets do not matter */
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    online_cpus = online > 0 && online < INT32_MAX ? (int32_t)online : 1;
-}
-
-int32_t ofl_parallel_set_dynamic(int32_t on) {
-    return __atomic_exchange_n(&dynamic_threads, on ? 1 : 0, __ATOMIC_RELAXED);
-}
-
-/* CPUs that no other task is running on now, or INT32_MAX if that cannot be read. The
- * fourth field of /proc/loadavg counts the runnable tasks of the machine, this thread
- * and the pool's workers (spinning, or running the current call) among them. */
-static int32_t idle_cpus(void) {
-    char text[128];
-    ssize_t n = loadavg_fd < 0 ? -1 : pread(loadavg_fd, text, sizeof text - 1, 0);
-    if (n <= 0) return INT32_MAX;
-    text[n] = '\0';
-    char *field = text;
-    for (int spaces = 0; spaces < 3; field++) {
-        if (*field == '\0') return INT32_MAX;
-        if (*field == ' ') spaces++;
-    }
-    long running = strtol(field, NULL, 10);
-    long ours = __atomic_load_n(&spinning, __ATOMIC_RELAXED) + __atomic_load_n(&pool.pending, __ATOMIC_RELAXED);
-    long others = running - 1 - ours;
-    if (others < 0) others = 0;
-    return online_cpus - others > 0 ? (int32_t)(online_cpus - others) : 0;
-}
+static void pool_init_once(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -136,16 +91,11 @@ static uint64_t now_ns(void) {
 static uint32_t wait_for_call(ofl_worker *w, uint32_t seen) {
     uint32_t now;
     uint64_t deadline = now_ns() + OFL_WORKER_SPIN_NS;
-    __atomic_add_fetch(&spinning, 1, __ATOMIC_RELAXED);
     for (int32_t spin = 1;; spin++) {
-        if ((now = __atomic_load_n(&w->wake, __ATOMIC_ACQUIRE)) != seen) {
-            __atomic_sub_fetch(&spinning, 1, __ATOMIC_RELAXED);
-            return now;
-        }
+        if ((now = __atomic_load_n(&w->wake, __ATOMIC_ACQUIRE)) != seen) return now;
         cpu_relax();
         if (spin % 64 == 0 && now_ns() > deadline) break;
     }
-    __atomic_sub_fetch(&spinning, 1, __ATOMIC_RELAXED);
     for (;;) {
         __atomic_store_n(&w->sleeping, 1, __ATOMIC_SEQ_CST);
         if ((now = __atomic_load_n(&w->wake, __ATOMIC_SEQ_CST)) != seen) break;
@@ -201,40 +151,22 @@ static int32_t grow_pool(int32_t count) {
     return pool.started;
 }
 
-/* Pool lock held. Starts workers woken+1..upto on the current call. */
-static void wake_workers(int32_t upto) {
-    if (upto > pool.usable) upto = pool.usable;
-    if (upto <= pool.woken) return;
-    __atomic_add_fetch(&pool.pending, (uint32_t)(upto - pool.woken), __ATOMIC_SEQ_CST);
-    for (int32_t i = pool.woken + 1; i <= upto; i++) {
+static void run_on_pool(ofl_task_fn fn, void *ctx, int32_t count) {
+    int32_t workers = grow_pool(count);
+    int32_t helped = workers < count - 1 ? workers : count - 1;
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.count = count;
+    __atomic_store_n(&pool.pending, (uint32_t)helped, __ATOMIC_RELEASE);
+    for (int32_t i = 1; i <= helped; i++) {
         ofl_worker *w = &pool.workers[i];
         __atomic_store_n(&w->claim, CLAIM_OFFERED, __ATOMIC_SEQ_CST);
         __atomic_add_fetch(&w->wake, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&w->sleeping, __ATOMIC_SEQ_CST)) futex_wake(&w->wake, 1);
     }
-    pool.woken = upto;
-}
-
-/* Set while this thread runs share 0 of a pool call: it may then start more workers. */
-static _Thread_local int32_t owns_pool_call;
-
-/* Pool lock held. `initial` threads start the call (the caller among them); the caller
- * may start the others later (offer_help). Shares whose thread was never
- * started are walked by the caller at the end, which finds them taken by stealing. */
-static void run_on_pool(ofl_task_fn fn, void *ctx, int32_t count, int32_t initial) {
-    pool.usable = grow_pool(count);
-    if (pool.usable > count - 1) pool.usable = count - 1;
-    pool.fn = fn;
-    pool.ctx = ctx;
-    pool.count = count;
-    pool.woken = 0;
-    __atomic_store_n(&pool.pending, 0, __ATOMIC_RELEASE);
-    wake_workers(initial - 1);
-    owns_pool_call = 1;
     fn(ctx, 0, count);
-    owns_pool_call = 0;
-    for (int32_t i = pool.woken + 1; i < count; i++) fn(ctx, i, count);
-    for (int32_t i = 1; i <= pool.woken; i++) { /* [Note: late workers] */
+    for (int32_t i = helped + 1; i < count; i++) fn(ctx, i, count); /* no thread for these */
+    for (int32_t i = 1; i <= helped; i++) { /* [Note: late workers] */
         uint32_t offered = CLAIM_OFFERED;
         if (__atomic_compare_exchange_n(&pool.workers[i].claim, &offered, CLAIM_IDLE, 0,
                                         __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
@@ -243,19 +175,11 @@ static void run_on_pool(ofl_task_fn fn, void *ctx, int32_t count, int32_t initia
         }
     }
     uint32_t left;
-    uint64_t deadline = now_ns() + OFL_CALLER_SPIN_NS;
-    for (int32_t spin = 1;; spin++) {
+    for (int32_t spin = 0; spin < OFL_CALLER_SPINS; spin++) {
         if (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) == 0) return;
         cpu_relax();
-        if (spin % 64 == 0 && now_ns() > deadline) break;
     }
     while ((left = __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE)) != 0) futex_wait(&pool.pending, left);
-}
-
-static void offer_help(void) {
-    if (!owns_pool_call || pool.woken >= pool.usable) return;
-    int32_t idle = idle_cpus();
-    if (idle > 0) wake_workers(pool.woken + idle);
 }
 
 typedef struct {
@@ -299,12 +223,7 @@ void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count) {
         run_on_new_threads(fn, ctx, count);
         return;
     }
-    int32_t initial = count;
-    if (__atomic_load_n(&dynamic_threads, __ATOMIC_RELAXED)) {
-        int32_t idle = idle_cpus(); /* the caller's own CPU is not counted as busy */
-        if (idle < initial) initial = idle > 1 ? idle : 1;
-    }
-    run_on_pool(fn, ctx, count, initial);
+    run_on_pool(fn, ctx, count);
     pthread_mutex_unlock(&pool.lock);
 }
 
@@ -319,7 +238,6 @@ typedef struct {
     void *ctx;
     int64_t total;
     int64_t chunk;
-    int64_t chunks;
     ofl_share *shares;
 } ofl_chunk_job;
 
@@ -358,11 +276,7 @@ static void run_chunk(const ofl_chunk_job *job, int64_t k) {
 static void walk_and_steal(void *arg, int32_t index, int32_t count) {
     ofl_chunk_job *job = (ofl_chunk_job *)arg;
     int64_t k;
-    for (int32_t done = 1; take_front(&job->shares[index], &k); done++) {
-        run_chunk(job, k);
-        if (index == 0 && done % OFL_OFFER_EVERY_CHUNKS == 0 && job->chunks >= OFL_OFFER_MIN_CHUNKS)
-            offer_help();
-    }
+    while (take_front(&job->shares[index], &k)) run_chunk(job, k);
     for (;;) { /* own run done: help the run with the most left, from its back */
         int32_t victim = -1;
         uint32_t most = 0;
@@ -398,6 +312,6 @@ void ofl_parallel_chunks(ofl_chunk_fn fn, void *ctx, int64_t total, int64_t chun
         uint64_t end = (uint64_t)(chunks * (i + 1) / threads);
         shares[i].range = (end << 32) | front;
     }
-    ofl_chunk_job job = {fn, ctx, total, chunk, chunks, shares};
+    ofl_chunk_job job = {fn, ctx, total, chunk, shares};
     ofl_parallel_run(walk_and_steal, &job, threads);
 }

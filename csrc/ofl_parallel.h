@@ -39,21 +39,8 @@ typedef void (*ofl_chunk_fn)(void *ctx, int64_t chunk, int64_t lo, int64_t hi);
  * run with the most left, so a worker that is descheduled (a busy or shared machine)
  * or woken late delays only the chunk it holds. The chunk grid does not depend on
  * the thread count: callers that keep per-chunk results get the same ones with any
- * number of threads.
- *
- * [Note: idle CPUs]
- * A call starts on the CPUs that no other task is running on, counted from
- * /proc/loadavg (one pread of a descriptor kept open); in a long call the caller looks
- * again every few chunks and starts workers on CPUs that have become idle, which begin
- * at the front of their own run, or steal. A thread woken onto a busy CPU would be time-sliced with
- * what runs there (another process, or OpenMP workers that spin for milliseconds after
- * every parallel torch op) and hold the whole call back by a slice. On an idle machine
- * every thread asked for starts at once. The number of threads never changes the
- * results (the chunk grid is fixed). */
+ * number of threads. */
 void ofl_parallel_chunks(ofl_chunk_fn fn, void *ctx, int64_t total, int64_t chunk,
                          int32_t threads);
-
-/* Turns [Note: idle CPUs] on (the default) or off; returns the previous setting. */
-int32_t ofl_parallel_set_dynamic(int32_t on);
 
 #endif /* OFL_PARALLEL_H */

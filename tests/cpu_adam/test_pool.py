@@ -7,11 +7,9 @@ import sys
 import threading
 import time
 
-import pytest
 import torch
 
 from cpu_adam import AdamConfig, adam_step, grad_sumsq
-from cpu_adam.kernels import set_dynamic_threads
 
 SIZES = [70001, 3, 200003, 131072]  # > 2 chunks of 65,536: every call uses the pool
 
@@ -40,15 +38,7 @@ def _same(a, b):
     return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
 
 
-@pytest.fixture
-def every_thread_asked():
-    """Short calls take all the threads asked for, busy CPUs or not, so the pool is used."""
-    before = set_dynamic_threads(False)
-    yield
-    set_dynamic_threads(before)
-
-
-def test_concurrent_callers_get_the_bits_of_a_lone_caller(every_thread_asked):
+def test_concurrent_callers_get_the_bits_of_a_lone_caller():
     # While one call holds the pool, the other runs on threads of its own: both paths
     # must give what a single thread gives.
     expected = {seed: _run(seed, 1) for seed in (1, 2, 3)}
@@ -68,7 +58,7 @@ def test_concurrent_callers_get_the_bits_of_a_lone_caller(every_thread_asked):
         assert len(runs) == 3 and all(_same(run, expected[seed]) for run in runs)
 
 
-def test_forked_child_makes_its_own_pool(every_thread_asked):
+def test_forked_child_makes_its_own_pool():
     expected = _run(4, 1)
     assert _same(_run(4, 2), expected)  # the parent's pool now has a worker
     pid = os.fork()
@@ -93,22 +83,18 @@ def test_forked_child_makes_its_own_pool(every_thread_asked):
     assert _same(_run(4, 2), expected)  # and the parent's pool still works
 
 
-@pytest.mark.parametrize("dynamic", [True, False], ids=["idle-cpus", "every-thread"])
-def test_busy_cpus_change_the_threads_not_the_bits(dynamic):
-    # Processes that keep every CPU busy make short calls take fewer threads
-    # ([Note: idle CPUs]), or, with every thread asked for, wake workers that start late
-    # and are taken back ([Note: late workers]); what they compute must not change.
+def test_busy_cpus_make_late_workers_not_other_bits():
+    # Processes that keep every CPU busy make workers start late; the caller takes
+    # back the ones that have not started ([Note: late workers]) and runs their shares:
+    # what it computes must not change.
     expected = _run(5, 1)
     spin = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
     busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
-    before = set_dynamic_threads(dynamic)
     try:
         time.sleep(0.2)
-        assert before is True  # the default
         for _ in range(3):
             assert _same(_run(5, 2), expected) and _same(_run(5, 4), expected)
     finally:
-        set_dynamic_threads(before)
         for p in busy:
             p.kill()
             p.wait()
