@@ -8,14 +8,13 @@ of the per-round ratios with their 10th-90th percentile and min-max spread.
 
 The roofline is measured in the same rounds: an in-place streaming pass (C, same threads,
 same thread pool) over four float32 arrays of the same total size that moves exactly
-Adam's 28 bytes a param. Where the arrays fit in the last-level cache it is a cache
+Adam's 28 bytes a param, on the same kind of pages as ours (CPUAdam's moments are on
+huge pages, the functional step's buffers in the bf16 case are torch's). Where the arrays fit in the last-level cache it is a cache
 figure, not a memory one, and ours / roofline there is not an efficiency.
 
 Cases (a shape is "N params x T tensors", the params split evenly):
   fp32  CPUAdam.step() against AdamW(fused=True) (and with --foreach AdamW(foreach=True)),
-        all through the optimizer API. With --static, also ours with the pool's idle-CPU
-        rule turned off (``set_dynamic_threads(False)`` around its steps): every thread
-        asked for starts at once, busy CPUs or not.
+        all through the optimizer API.
   bf16  the offload step: bf16 grads in, scaled, fp32 master and moments updated, a bf16
         copy of the new params out. Ours is one cpu_adam.adam_step call; torch's is the
         fastest of two equivalent sequences (convert grads, fused AdamW with or without its
@@ -27,7 +26,7 @@ arrays (16 B a param) exceed the last-level cache. The load average (1 minute) a
 end of each case is in the summary: other work on the machine moves every figure.
 
 Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8]
-       [--rounds R] [--static] [--out FILE]
+       [--rounds R] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -48,7 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cpu_adam import AdamConfig, CPUAdam, adam_step, default_num_threads, resolve_isa  # noqa: E402
-from cpu_adam.kernels import set_dynamic_threads, stream_inplace  # noqa: E402
+from cpu_adam.kernels import stream_inplace  # noqa: E402
+from cpu_adam.state_memory import zeros_state_like  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, WD, SCALE = 1e-4, 0.01, 1.0 / 1024.0
@@ -92,39 +92,30 @@ def _timed(fn: Callable[[], None], reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def _roofline(n: int, threads: int) -> Callable[[], None]:
-    a, b, c, d = (torch.full((n,), 1e-3) for _ in range(4))
+def _roofline(n: int, threads: int, huge_moments: bool) -> Callable[[], None]:
+    """The streaming pass over arrays placed as ours are: a and b (the param and gradient
+    streams) from torch's allocator; c and d (the moments) too, or, with ``huge_moments``,
+    as CPUAdam allocates its state: on huge pages where they are large
+    ([Note: huge pages for the moments] in cpu_adam.state_memory)."""
+    a, b = (torch.full((n,), 1e-3) for _ in range(2))
+    if huge_moments:
+        c, d = (zeros_state_like(a).fill_(1e-3) for _ in range(2))
+    else:
+        c, d = (torch.full((n,), 1e-3) for _ in range(2))
     return lambda: stream_inplace(a, b, c, d, num_threads=threads)
 
 
-def _without_dynamic_threads(step: Callable[[], object]) -> Callable[[], None]:
-    """``step`` with the pool's idle-CPU rule off while it runs (the rule is process-wide)."""
-
-    def run() -> None:
-        before = set_dynamic_threads(False)
-        try:
-            step()
-        finally:
-            set_dynamic_threads(before)
-
-    return run
-
-
-def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool,
-                    static: bool = False) -> dict[str, Callable[[], None]]:
+def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool) -> dict[str, Callable[[], None]]:
     sizes = _split(n, tensors)
     ours = _params_with_grads(sizes, 0)
     fused = _params_with_grads(sizes, 0)
     opt_ours = CPUAdam(ours, lr=LR, weight_decay=WD, num_threads=threads)
     opt_fused = torch.optim.AdamW(fused, lr=LR, weight_decay=WD, fused=True)
     contenders = {"ours": opt_ours.step, "torch_fused": opt_fused.step}
-    if static:
-        opt_static = CPUAdam(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, num_threads=threads)
-        contenders["ours_static"] = _without_dynamic_threads(opt_static.step)
     if foreach:
         opt_foreach = torch.optim.AdamW(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, foreach=True)
         contenders["torch_foreach"] = opt_foreach.step
-    contenders["roofline"] = _roofline(n, threads)
+    contenders["roofline"] = _roofline(n, threads, huge_moments=True)
     return contenders
 
 
@@ -162,7 +153,7 @@ def bf16_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
         "ours": ours,
         "torch_convert_mul_fused_copy": torch_sequence(own_scale=False),
         "torch_convert_fused_scale_copy": torch_sequence(own_scale=True),
-        "roofline": _roofline(n, threads),
+        "roofline": _roofline(n, threads, huge_moments=False),  # ours' buffers here are torch's
     }
 
 
@@ -320,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case; default by size (40-200)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--foreach", action="store_true", help="also time AdamW(foreach=True)")
-    ap.add_argument("--static", action="store_true",
-                    help="also time ours with the idle-CPU rule off (set_dynamic_threads(False))")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -347,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.shapes:
         n, tensors = _shape(text)
         rounds = _rounds_for(n, args.rounds)
-        samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach, args.static), rounds)
+        samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach), rounds)
         peers = [k for k in samples if k != "ours"]
         case = f"fp32 {n:.0e} x {tensors} ({rounds} rounds)"
         rows += _emit(summarize(case, n, samples, peers, summary))
