@@ -18,6 +18,7 @@ import torch
 from csrc import ConfigError
 from cpu_adam.kernels import AdamConfig, Isa, resolve_isa
 from cpu_adam.plan import AdamPlan
+from cpu_adam.state_memory import zeros_state_like
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +172,8 @@ class CPUAdam(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg"] = zeros_state_like(p)  # [Note: huge pages for the moments]
+                state["exp_avg_sq"] = zeros_state_like(p)
         states = [self.state[p] for p in params]
         return AdamPlan(params, [st["exp_avg"] for st in states],
                         [st["exp_avg_sq"] for st in states], [st["step"] for st in states])

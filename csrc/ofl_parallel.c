@@ -39,9 +39,21 @@ static inline void cpu_relax(void) {
 #endif
 }
 
+/* [Note: late workers]
+ * A worker is offered a call (claim = OFFERED, then its wake word bumped) and takes it by
+ * moving claim to RUNNING before it reads the call. A worker that the scheduler runs late
+ * (its CPU busy with another process, or with torch's OpenMP workers spinning after a
+ * parallel op) may find that the caller has already done every chunk, its share stolen:
+ * the caller then takes the offer back (OFFERED -> IDLE) and runs that share itself, so
+ * a call waits only for workers that have started, never for a wake-up on a busy CPU.
+ * A worker that lost its offer goes back to waiting; if a new call has offered it again
+ * meanwhile, it takes that one, whose fields were published before the offer. */
+enum { CLAIM_IDLE = 0, CLAIM_OFFERED = 1, CLAIM_RUNNING = 2 };
+
 typedef struct {
     _Alignas(64) uint32_t wake; /* futex word: the caller bumps it to start this worker */
     uint32_t sleeping;          /* 1 while the worker is (about to be) parked on `wake` */
+    uint32_t claim;             /* CLAIM_*: see [Note: late workers] */
 } ofl_worker;
 
 static struct {
@@ -62,7 +74,8 @@ static void pool_after_fork_in_child(void) {
     pool.lock = fresh;
     pool.started = 0;
     pool.pending = 0;
-    for (int32_t i = 0; i < OFL_MAX_THREADS; i++) pool.workers[i].wake = pool.workers[i].sleeping = 0;
+    for (int32_t i = 0; i < OFL_MAX_THREADS; i++)
+        pool.workers[i].wake = pool.workers[i].sleeping = pool.workers[i].claim = 0;
 }
 
 static void pool_init_once(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
@@ -98,6 +111,10 @@ static void *worker_main(void *arg) {
     uint32_t seen = 0; /* the value grow_pool set: a call may bump it before this line runs */
     for (;;) {
         seen = wait_for_call(w, seen);
+        uint32_t offered = CLAIM_OFFERED;
+        if (!__atomic_compare_exchange_n(&w->claim, &offered, CLAIM_RUNNING, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE))
+            continue; /* taken back: the call was done without this worker */
         pool.fn(pool.ctx, index, pool.count);
         if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL) == 0) futex_wake(&pool.pending, 1);
     }
@@ -127,6 +144,7 @@ static int32_t grow_pool(int32_t count) {
         int32_t index = pool.started + 1;
         pool.workers[index].wake = 0;
         pool.workers[index].sleeping = 0;
+        pool.workers[index].claim = CLAIM_IDLE;
         if (spawn(worker_main, (void *)(intptr_t)index, 1, NULL) != 0) break;
         pool.started = index;
     }
@@ -142,11 +160,20 @@ static void run_on_pool(ofl_task_fn fn, void *ctx, int32_t count) {
     __atomic_store_n(&pool.pending, (uint32_t)helped, __ATOMIC_RELEASE);
     for (int32_t i = 1; i <= helped; i++) {
         ofl_worker *w = &pool.workers[i];
+        __atomic_store_n(&w->claim, CLAIM_OFFERED, __ATOMIC_SEQ_CST);
         __atomic_add_fetch(&w->wake, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&w->sleeping, __ATOMIC_SEQ_CST)) futex_wake(&w->wake, 1);
     }
     fn(ctx, 0, count);
     for (int32_t i = helped + 1; i < count; i++) fn(ctx, i, count); /* no thread for these */
+    for (int32_t i = 1; i <= helped; i++) { /* [Note: late workers] */
+        uint32_t offered = CLAIM_OFFERED;
+        if (__atomic_compare_exchange_n(&pool.workers[i].claim, &offered, CLAIM_IDLE, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            __atomic_sub_fetch(&pool.pending, 1, __ATOMIC_ACQ_REL);
+            fn(ctx, i, count);
+        }
+    }
     uint32_t left;
     for (int32_t spin = 0; spin < OFL_CALLER_SPINS; spin++) {
         if (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) == 0) return;

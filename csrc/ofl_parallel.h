@@ -21,8 +21,10 @@
 typedef void (*ofl_task_fn)(void *ctx, int32_t index, int32_t count);
 
 /* Runs fn(ctx, i, count) for every i in [0, count), i = 0 on the calling thread and the
- * rest on pool workers. A share whose thread cannot be had is run by the caller, so the
- * call always completes. count is clamped to [1, OFL_MAX_THREADS]. */
+ * rest on pool workers. A share whose thread cannot be had, or whose worker has not
+ * started when the caller is done with its own ([Note: late workers] in ofl_parallel.c),
+ * is run by the caller, so the call always completes and never waits for a wake-up.
+ * count is clamped to [1, OFL_MAX_THREADS]. */
 void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count);
 
 typedef void (*ofl_chunk_fn)(void *ctx, int64_t chunk, int64_t lo, int64_t hi);

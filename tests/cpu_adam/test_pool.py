@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -79,3 +81,20 @@ def test_forked_child_makes_its_own_pool():
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
     assert _same(_run(4, 2), expected)  # and the parent's pool still works
+
+
+def test_busy_cpus_make_late_workers_not_other_bits():
+    # Processes that keep every CPU busy make workers start late; the caller takes
+    # back the ones that have not started ([Note: late workers]) and runs their shares:
+    # what it computes must not change.
+    expected = _run(5, 1)
+    spin = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.2)
+        for _ in range(3):
+            assert _same(_run(5, 2), expected) and _same(_run(5, 4), expected)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()

@@ -8,7 +8,8 @@ of the per-round ratios with their 10th-90th percentile and min-max spread.
 
 The roofline is measured in the same rounds: an in-place streaming pass (C, same threads,
 same thread pool) over four float32 arrays of the same total size that moves exactly
-Adam's 28 bytes a param. Where the arrays fit in the last-level cache it is a cache
+Adam's 28 bytes a param, on the same kind of pages as ours (CPUAdam's moments are on
+huge pages, the functional step's buffers in the bf16 case are torch's). Where the arrays fit in the last-level cache it is a cache
 figure, not a memory one, and ours / roofline there is not an efficiency.
 
 Cases (a shape is "N params x T tensors", the params split evenly):
@@ -18,6 +19,11 @@ Cases (a shape is "N params x T tensors", the params split evenly):
         copy of the new params out. Ours is one cpu_adam.adam_step call; torch's is the
         fastest of two equivalent sequences (convert grads, fused AdamW with or without its
         own grad_scale, copy params to bf16), each timed whole.
+
+The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32) or
+>= 1.3x torch's fastest sequence (bf16), and >= 0.9 of the roofline where the four
+arrays (16 B a param) exceed the last-level cache. The load average (1 minute) at the
+end of each case is in the summary: other work on the machine moves every figure.
 
 Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8]
        [--rounds R] [--out FILE]
@@ -42,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cpu_adam import AdamConfig, CPUAdam, adam_step, default_num_threads, resolve_isa  # noqa: E402
 from cpu_adam.kernels import stream_inplace  # noqa: E402
+from cpu_adam.state_memory import zeros_state_like  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, WD, SCALE = 1e-4, 0.01, 1.0 / 1024.0
@@ -51,6 +58,9 @@ SAMPLE_SECONDS = 0.01  # one sample of a contender times a block of steps this l
 DEFAULT_SHAPES = ["1e5x1000", "1e6x1", "1e6x100", "1e6x1000", "1e7x1", "1e7x10", "1e7x100",
                   "1e7x1000", "1e8x1", "1e8x100", "1e8x1000"]
 DEFAULT_BF16 = ["1e6", "1e7", "1e8"]
+TARGET_VS_TORCH = {"fp32": 1.0, "bf16": 1.3}  # ours / torch fused (bf16: its fastest sequence)
+TARGET_VS_ROOFLINE = 0.9  # where the arrays exceed the last-level cache
+ROOFLINE_BYTES_PER_PARAM = 16  # the four float32 arrays that must not fit in the LLC
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -82,8 +92,16 @@ def _timed(fn: Callable[[], None], reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def _roofline(n: int, threads: int) -> Callable[[], None]:
-    a, b, c, d = (torch.full((n,), 1e-3) for _ in range(4))
+def _roofline(n: int, threads: int, huge_moments: bool) -> Callable[[], None]:
+    """The streaming pass over arrays placed as ours are: a and b (the param and gradient
+    streams) from torch's allocator; c and d (the moments) too, or, with ``huge_moments``,
+    as CPUAdam allocates its state: on huge pages where they are large
+    ([Note: huge pages for the moments] in cpu_adam.state_memory)."""
+    a, b = (torch.full((n,), 1e-3) for _ in range(2))
+    if huge_moments:
+        c, d = (zeros_state_like(a).fill_(1e-3) for _ in range(2))
+    else:
+        c, d = (torch.full((n,), 1e-3) for _ in range(2))
     return lambda: stream_inplace(a, b, c, d, num_threads=threads)
 
 
@@ -97,7 +115,7 @@ def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool) -> dict[s
     if foreach:
         opt_foreach = torch.optim.AdamW(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, foreach=True)
         contenders["torch_foreach"] = opt_foreach.step
-    contenders["roofline"] = _roofline(n, threads)
+    contenders["roofline"] = _roofline(n, threads, huge_moments=True)
     return contenders
 
 
@@ -135,7 +153,7 @@ def bf16_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
         "ours": ours,
         "torch_convert_mul_fused_copy": torch_sequence(own_scale=False),
         "torch_convert_fused_scale_copy": torch_sequence(own_scale=True),
-        "roofline": _roofline(n, threads),
+        "roofline": _roofline(n, threads, huge_moments=False),  # ours' buffers here are torch's
     }
 
 
@@ -188,12 +206,35 @@ def summarize(case: str, n: int, samples: dict[str, list[float]], peers: list[st
 
 
 def summary_table(summary: dict[str, dict[str, str]]) -> list[str]:
-    """One line per case: ours against torch and against the roofline."""
-    rows = ["", "| case | ours / torch fused (or fastest) | ours / roofline |", "| --- | --- | --- |"]
+    """One line per case: ours against torch and the roofline, the targets, the load at its end."""
+    rows = ["", "| case | ours / torch fused (or fastest) | ours / roofline | targets | load |",
+            "| --- | --- | --- | --- | --- |"]
     for case, ratios in summary.items():
         torch_ratio = ratios.get("torch_fused", ratios.get("torch_fastest", ""))
-        rows.append(f"| {case} | {torch_ratio} | {ratios.get('roofline', '')} |")
+        rows.append(f"| {case} | {torch_ratio} | {ratios.get('roofline', '')} | {ratios.get('targets', '')} "
+                    f"| {ratios.get('load', '')} |")
     return rows
+
+
+def _median_ratio(text: str) -> float:
+    return float(text.split("x", 1)[0])
+
+
+def judge(case: str, kind: str, n: int, llc: int | None, summary: dict[str, dict[str, str]]) -> None:
+    """Add the issue's targets, met or not, and the load average to ``summary[case]``."""
+    ratios = summary[case]
+    peer = "torch_fused" if kind == "fp32" else "torch_fastest"
+    verdicts = []
+    want = TARGET_VS_TORCH[kind]
+    got = _median_ratio(ratios[peer])
+    verdicts.append(f"torch >= {want:.1f}x: {'met' if got >= want else '**not met**'}")
+    if llc is not None and n * ROOFLINE_BYTES_PER_PARAM > llc:
+        got = _median_ratio(ratios["roofline"])
+        verdicts.append(f"roofline >= {TARGET_VS_ROOFLINE}: {'met' if got >= TARGET_VS_ROOFLINE else '**not met**'}")
+    else:
+        verdicts.append("roofline: in cache, no target")
+    ratios["targets"] = "; ".join(verdicts)
+    ratios["load"] = f"{os.getloadavg()[0]:.2f}"
 
 
 def _best_torch(samples: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -208,18 +249,45 @@ def _shape(text: str) -> tuple[int, int]:
     return int(float(n)), int(t or 1)
 
 
-def cpu_description() -> str:
-    """CPU model, family/model/stepping and last-level cache, from /proc/cpuinfo and sysfs."""
+def _cpu_fields() -> dict[str, str]:
+    """The first CPU's entries of /proc/cpuinfo (empty where it cannot be read)."""
     fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, sep, value = line.partition(":")
-            if not sep:
-                if fields:
-                    break  # the first CPU is enough
-                continue
-            fields.setdefault(key.strip(), value.strip())
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
+        return fields
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:
+                break  # the first CPU is enough
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (bench_step names the machine with it)."""
+    return _cpu_fields().get("model name") or platform.processor() or platform.machine()
+
+
+def llc_bytes() -> int | None:
+    """Size of the last-level cache from sysfs, or None."""
+    cache = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(cache.glob("index*"), reverse=True):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return None
+
+
+def cpu_description() -> str:
+    """CPU model, family/model/stepping and last-level cache, from /proc/cpuinfo and sysfs."""
+    fields = _cpu_fields()
+    if not fields:
         return platform.processor() or platform.machine()
     llc = "?"
     cache = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -264,20 +332,24 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header), flush=True)
     rows: list[str] = []
     summary: dict[str, dict[str, str]] = {}
+    llc = llc_bytes()
     for text in args.shapes:
         n, tensors = _shape(text)
         rounds = _rounds_for(n, args.rounds)
         samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach), rounds)
         peers = [k for k in samples if k != "ours"]
-        rows += _emit(summarize(f"fp32 {n:.0e} x {tensors} ({rounds} rounds)", n, samples, peers, summary))
+        case = f"fp32 {n:.0e} x {tensors} ({rounds} rounds)"
+        rows += _emit(summarize(case, n, samples, peers, summary))
+        judge(case, "fp32", n, llc, summary)
         del samples
         gc.collect()
     for text in args.bf16:
         n = int(float(text))
         rounds = _rounds_for(n, args.rounds)
         samples = _best_torch(measure(bf16_contenders(n, args.threads), rounds))
-        rows += _emit(summarize(f"bf16 offload step {n:.0e} ({rounds} rounds)", n, samples,
-                                ["torch_fastest", "roofline"], summary))
+        case = f"bf16 offload step {n:.0e} ({rounds} rounds)"
+        rows += _emit(summarize(case, n, samples, ["torch_fastest", "roofline"], summary))
+        judge(case, "bf16", n, llc, summary)
         gc.collect()
     footer = summary_table(summary) + ["", f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     print("\n".join(footer), flush=True)
