@@ -32,6 +32,7 @@ from offload.zero.layout import FlatLayout
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.states import StateStorage
+from offload.zero.unit_grads import UnitGradReducer
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                              param_init_fn=init_fn_of(model))
         layout = parts.layout
         flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
-        flat_grads = torch.zeros(layout.total_numel, dtype=dtype, device=ranks.device)
+        flat_grads = None  # nor a full gradient buffer: [Note: unit gradients]
     else:
         layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
                              for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
@@ -245,6 +246,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             storage.adopt()
         else:
             storage.allocate(parts.fill_master if parts else lambda sg, master: _fill_master(layout, sg, master, masters))
+            if parts is not None:
+                parts.let_go()
         del masters
         opt = cfg.optimizer
         defaults = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
@@ -255,8 +258,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,
                                gather=shard, params_out=parts.shards.params_out if parts else None,
                                after_step=parts.coordinator.after_step if parts else None)
-        reducer = GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
-                              comm_world=ranks.world_size, land=adam.land)
+        reducer = UnitGradReducer(layout, params, group=ranks.group, comm_world=ranks.world_size, land=adam.land) \
+            if stage3 else GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
+                                       comm_world=ranks.world_size, land=adam.land)
         scheduler = _scheduler(lr_scheduler, cfg, facade)
         loader = _dataloader(training_data, cfg, ranks, collate_fn) if training_data is not None else None
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,

@@ -43,16 +43,24 @@ class Stage3Parts:
     param_tier: Tier | None
     materialize_peak_bytes: int = 0
     """The most bytes the unit buffers held at once while the params were put in their partitions."""
+    _holding: tuple[int, torch.Tensor] | None = None
 
     def fill_master(self, sg: SubGroup, master: torch.Tensor) -> None:
-        """The fp32 master of a sub-group, from the compute-dtype shards it covers."""
+        """The fp32 master of a sub-group, from the compute-dtype shards it covers. The last shard read
+        stays held (a unit spans many sub-groups: it is read from NVMe once); ``let_go`` gives it back."""
         for piece in sg.pieces:
-            shard = self.shards.acquire(piece.bucket)
-            try:
-                start = piece.flat_start - self.layout.buckets[piece.bucket].shard_start(self.layout.rank)
-                master[piece.sub_start:piece.sub_start + piece.numel].copy_(shard[start:start + piece.numel])
-            finally:
-                self.shards.release(piece.bucket, dirty=False)
+            if self._holding is None or self._holding[0] != piece.bucket:
+                self.let_go()
+                self._holding = (piece.bucket, self.shards.acquire(piece.bucket))
+            shard = self._holding[1]
+            start = piece.flat_start - self.layout.buckets[piece.bucket].shard_start(self.layout.rank)
+            master[piece.sub_start:piece.sub_start + piece.numel].copy_(shard[start:start + piece.numel])
+
+    def let_go(self) -> None:
+        """Give back the shard ``fill_master`` holds, if any."""
+        if self._holding is not None:
+            self.shards.release(self._holding[0], dirty=False)
+            self._holding = None
 
     def reload_from_masters(self, adam) -> None:
         """After a checkpoint load: the compute-dtype shards from the fp32 masters, then regathered."""
@@ -63,6 +71,7 @@ class Stage3Parts:
         self.coordinator.after_step()
 
     def close(self) -> None:
+        self.let_go()
         self.coordinator.close()
         self.shards.close()
         if self.param_tier is not None:
