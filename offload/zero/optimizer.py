@@ -169,19 +169,25 @@ class PartitionedAdam:
         master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
         grad = self.storage.grad(sg.index)
         for group in sorted({p.group for p in sg.pieces}):
-            pieces = [p for p in sg.pieces if p.group == group]
-            cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
-            masters = [master[a:b] for a, b in cut]
-            grads = [grad[a:b] for a, b in cut]
-            ms = [exp_avg[a:b] for a, b in cut]
-            vs = [exp_avg_sq[a:b] for a, b in cut]
-            outs = [self._out(p) for p in pieces]
-            hyper = self._hyper(group)
-            if self._on_host:
-                steps = [torch.full((1,), float(self.step_count)) for _ in pieces]
-                adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
-            else:
-                _torch_adam(masters, grads, ms, vs, outs, hyper, mult, self.step_count)
+            in_group = [p for p in sg.pieces if p.group == group]
+            # stage 3: a piece's output is a param shard that ``params_out`` may give back (and evict) when
+            # a later one is asked for, so each piece is stepped before the next is asked for
+            for pieces in ([p] for p in in_group) if self._params_out is not None else [in_group]:
+                self._step_pieces(pieces, master, grad, exp_avg, exp_avg_sq, self._hyper(group), mult)
+
+    def _step_pieces(self, pieces: list[Piece], master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor, hyper: AdamConfig, mult: float) -> None:
+        cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
+        masters = [master[a:b] for a, b in cut]
+        grads = [grad[a:b] for a, b in cut]
+        ms = [exp_avg[a:b] for a, b in cut]
+        vs = [exp_avg_sq[a:b] for a, b in cut]
+        outs = [self._out(p) for p in pieces]
+        if self._on_host:
+            steps = [torch.full((1,), float(self.step_count)) for _ in pieces]
+            adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
+        else:
+            _torch_adam(masters, grads, ms, vs, outs, hyper, mult, self.step_count)
 
     def _copy_staging_to_device(self) -> None:
         for sg in self.layout.sub_groups:

@@ -172,7 +172,7 @@ class ParamCoordinator:
         except ValueError:
             return
         budget = self.config.prefetch_bucket_numel
-        ahead = []
+        ahead = [] if self.is_gathered(u) else [u]  # u itself first: what is ahead never takes its room
         for v in self._order[self._pos:]:
             if budget < self.layout.buckets[v].shard_numel:
                 break

@@ -99,17 +99,21 @@ def replace_meta_params(model: torch.nn.Module, dtype: torch.dtype, device: torc
 
 
 def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, checksum: bool) -> Tier | None:
-    """The embedded store for the shards: host memory for all of them (cpu), or for ``buffer_count``
-    of the largest (nvme), sized from the layout so no unit is too large for it."""
+    """The embedded store for the shards: host memory for all of them (cpu), or (nvme) ``buffer_count``
+    segments each as large as the largest shard, sized from the layout so no unit is too large for it.
+    One segment per shard held: shards of mixed sizes come and go, and a run of free bytes large enough
+    could otherwise be missing though the bytes are there; with fewer shards held than segments, one
+    segment is empty."""
     off = zero.offload_param
     if off.device == OffloadDevice.NONE:
         return None
     sizes = sorted((-(-b.shard_numel * itemsize // PAGE) * PAGE for b in layout.buckets), reverse=True)
     nvme = off.device == OffloadDevice.NVME
     window = max(3, off.buffer_count)
-    resident = sum(sizes[:window]) if nvme else sum(sizes)
+    resident = window * sizes[0] if nvme else sum(sizes)
     plan = TierPlan(nvme=nvme, region_bytes=tuple(sizes), resident_bytes=resident,
-                    swap_bytes=sum(sizes) if nvme else 0, nvme_path=off.nvme_path)
+                    swap_bytes=sum(sizes) if nvme else 0, nvme_path=off.nvme_path,
+                    segment_bytes=sizes[0] if nvme else None)
     return open_tier(plan, daemon_socket=None, job_id="params", rank=rank, aio=aio, host_memory_bytes=None,
                      swap_capacity_bytes=None, checksum=checksum)
 
