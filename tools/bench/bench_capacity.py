@@ -104,7 +104,8 @@ def run(args) -> dict:
     span = args.batch * (args.seq + 1)
     try:
         for i in range(args.steps):
-            chunk = ids[i * span:(i + 1) * span].view(args.batch, args.seq + 1)
+            at = 0 if args.same_batch else i * span
+            chunk = ids[at:at + span].view(args.batch, args.seq + 1)
             r0, w0 = _io(engine)
             f0 = engine.stage3.coordinator.fetch_wait_seconds
             o0 = engine.offload_stats().io_wait_seconds_total
@@ -124,7 +125,7 @@ def run(args) -> dict:
     finally:
         engine.close()
     return {"argv": sys.argv[1:], "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "params": n, "gpt": {"vocab_size": gcfg.vocab_size, "n_layer": gcfg.n_layer, "n_embd": gcfg.n_embd,
+            "params": n, "same_batch": args.same_batch, "gpt": {"vocab_size": gcfg.vocab_size, "n_layer": gcfg.n_layer, "n_embd": gcfg.n_embd,
                                  "n_head": gcfg.n_head, "seq": args.seq, "batch": args.batch},
             "config": config, "setup_seconds": setup_s, "baseline": base, "after_setup": after_setup,
             "steps": steps, "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -152,7 +153,9 @@ def report(result: dict) -> str:
              f"- fp32 master + Adam moments: {12 * n / GIB:.1f} GiB; with the fp32 gradients and the fp32 "
              f"compute copy: {20 * n / GIB:.1f} GiB; machine memory: "
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB",
-             f"- batch {g['batch']} x {g['seq']} tokens, fp32, AdamW lr {result['config']['optimizer']['params']['lr']}",
+             f"- batch {g['batch']} x {g['seq']} tokens ("
+             f"{'the same window every step' if result['same_batch'] else 'consecutive windows of the corpus'}), fp32, "
+             f"AdamW lr {result['config']['optimizer']['params']['lr']}, gradient clipping 1.0",
              f"- set-up (materialize + first NVMe writes): {result['setup_seconds']:.0f} s; "
              f"VmHWM after set-up {result['after_setup']['VmHWM'] / GIB:.2f} GiB", "",
              "| step | loss | step s | fetch wait s | optimizer I/O wait s | read GB | written GB | VmRSS GiB | VmHWM GiB |",
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--same-batch", action="store_true", help="every step on the corpus's first window (else the next ones)")
     ap.add_argument("--max-live", type=int, default=100_000_000, help="stage3_max_live_parameters and reuse distance")
     ap.add_argument("--prefetch", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
     ap.add_argument("--nvme-path", default="/tmp")
