@@ -60,7 +60,7 @@ def _note_inert_settings(config: EngineConfig) -> None:
     """Say once which accepted settings do not change what this engine does, and why."""
     zero, inert = config.zero, []
     if not zero.contiguous_gradients:
-        inert.append("zero_optimization.contiguous_gradients=false (gradients always live in one flat buffer)")
+        inert.append("zero_optimization.contiguous_gradients=false (gradients always land in flat buffers)")
     if not zero.reduce_scatter:
         inert.append("zero_optimization.reduce_scatter=false (stages 1-2 always reduce-scatter buckets)")
     if zero.overlap_comm:
@@ -72,6 +72,12 @@ def _note_inert_settings(config: EngineConfig) -> None:
         inert.append("offload_optimizer.pipeline_read/pipeline_write (NVMe sub-groups are always pipelined)")
     if off.fast_init:
         inert.append("offload_optimizer.fast_init")
+    param = zero.offload_param
+    if zero.stage == 3 and param.device != OffloadDevice.NONE:  # buffer_count acts with nvme: the shard window
+        inert.append("offload_param.buffer_size (host buffers are sized from the largest param shard)")
+        inert.append("offload_param.max_in_cpu (with nvme, at most buffer_count shards are in host memory)"
+                     if param.device == OffloadDevice.NVME else "offload_param buffer_count/max_in_cpu with cpu "
+                     "(every shard is in host memory)")
     for item in inert:
         logger.info("accepted, no effect here: %s", item)
 
