@@ -147,3 +147,30 @@ def test_offload_param_settings_without_effect_are_said_once(tmp_path, caplog, p
     said = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
     assert sum("offload_param.buffer_size" in m for m in said) == 1
     assert sum("max_in_cpu" in m for m in said) == 1
+
+
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
+def test_consolidate_a_stage3_checkpoint_with_a_tied_head(tmp_path, param_device):
+    """Stage 3 (params on cpu or NVMe), a GPT whose head is its token embedding: `offload consolidate` of a
+    checkpoint gives a plain state dict with every key of the model's (the head too), equal to the trained
+    weights gathered from the engine (fp32: exactly), that a plainly built GPT loads strictly."""
+    from offload.cli import main
+
+    net = _gpt()
+    engine, _, _, _ = initialize(model=net, config=_config("nvme", param_device, str(tmp_path)))
+    try:
+        _engine_losses(engine, _data(3))
+        ckpt = engine.save_checkpoint(str(tmp_path / "ckpt"))
+        with engine.stage3.coordinator.gathered():
+            expected = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    finally:
+        engine.close()
+    out = tmp_path / "plain.pt"
+    assert main(["consolidate", ckpt, str(out)]) == 0
+    got = torch.load(out)
+    assert list(got) == list(expected) and "head.weight" in got
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    plain = _gpt()
+    plain.load_state_dict(got, strict=True)
+    assert torch.equal(plain.head.weight, plain.tok_emb.weight)
