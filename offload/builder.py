@@ -230,7 +230,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         parts = build_stage3(model, [g["params"] for g in groups], names, zero=zero, aio=cfg.aio,
                              checksum=cfg.offload.checksum, dtype=dtype, device=ranks.device, rank=ranks.rank,
                              world_size=ranks.world_size, group=ranks.group, sub_group_numel=sub_group,
-                             param_init_fn=init_fn_of(model))
+                             param_init_fn=init_fn_of(model), offload=cfg.offload)
         layout = parts.layout
         flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
         flat_grads = None  # nor a full gradient buffer: [Note: unit gradients]

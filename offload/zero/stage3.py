@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError
-from offload.config import OffloadDevice
+from offload.config import OffloadDevice, resolve_daemon_socket, resolve_job_id
 from offload.tiers import PAGE, Tier, TierPlan, open_tier
 from offload.zero.layout import FlatLayout, SubGroup
 from offload.zero.params import ParamCoordinator, Stage3Config
@@ -98,7 +98,8 @@ def replace_meta_params(model: torch.nn.Module, dtype: torch.dtype, device: torc
     return bool(made)
 
 
-def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, checksum: bool) -> Tier | None:
+def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, checksum: bool,
+                offload=None) -> Tier | None:
     """The embedded store for the shards: host memory for all of them (cpu), or (nvme) ``buffer_count``
     segments each as large as the largest shard, sized from the layout so no unit is too large for it.
     One segment per shard held: shards of mixed sizes come and go, and a run of free bytes large enough
@@ -114,15 +115,28 @@ def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, chec
     plan = TierPlan(nvme=nvme, region_bytes=tuple(sizes), resident_bytes=resident,
                     swap_bytes=sum(sizes) if nvme else 0, nvme_path=off.nvme_path,
                     segment_bytes=sizes[0] if nvme else None)
-    return open_tier(plan, daemon_socket=None, job_id="params", rank=rank, aio=aio, host_memory_bytes=None,
-                     swap_capacity_bytes=None, checksum=checksum)
+    # With a daemon the shards are a session of their own, "<job>.params": the node's pool and NVMe queue
+    # serve both legs. It starts empty every time: a resume rebuilds the shards from the fp32 masters.
+    socket = resolve_daemon_socket(offload) if offload is not None else None
+    job = f"{resolve_job_id(offload)}.params" if socket else "params"
+
+    def open_() -> Tier:
+        return open_tier(plan, daemon_socket=socket, job_id=job, rank=rank, aio=aio, host_memory_bytes=None,
+                         swap_capacity_bytes=None, checksum=checksum)
+
+    tier = open_()
+    if getattr(tier.store, "reattached", False):  # left by a process that died: its shards are stale
+        tier.close()
+        tier = open_()
+    return tier
 
 
 def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], names: dict[int, str], *,
                  zero, aio, checksum: bool, dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, sub_group_numel: int,
-                 param_init_fn: Callable[[torch.nn.Module], None] | None = None) -> Stage3Parts:
-    """Lay out the units, open the shards' tier, put the params in their partitions, hook the modules."""
+                 param_init_fn: Callable[[torch.nn.Module], None] | None = None, offload=None) -> Stage3Parts:
+    """Lay out the units, open the shards' tier (the daemon's when ``offload``, the config's offload
+    section, names one), put the params in their partitions, hook the modules."""
     plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold)
     params = [p for g in groups for p in g]
     layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
@@ -132,7 +146,7 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
     logger.info("rank %d: stage 3, %d unit(s) (%d persistent); %s", rank, len(layout.buckets), len(plan.persistent),
                 layout.describe())
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    tier = _param_tier(zero, layout, itemsize, rank=rank, aio=aio, checksum=checksum)
+    tier = _param_tier(zero, layout, itemsize, rank=rank, aio=aio, checksum=checksum, offload=offload)
     try:
         shards = ShardStore(layout, dtype=dtype, device=device, tier=tier.store if tier else None,
                             nvme=zero.offload_param.device == OffloadDevice.NVME,

@@ -174,3 +174,40 @@ def test_consolidate_a_stage3_checkpoint_with_a_tied_head(tmp_path, param_device
     plain = _gpt()
     plain.load_state_dict(got, strict=True)
     assert torch.equal(plain.head.weight, plain.tok_emb.weight)
+
+
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
+def test_param_shards_go_through_the_daemon(tmp_path, monkeypatch, param_device):
+    """With a daemon, the param shards are a session of their own ("<job>.params") beside the optimizer's:
+    their NVMe -> host leg is the daemon's. Training matches the embedded store bit for bit, the shards'
+    bytes moved through the daemon (nvme), and both sessions are gone after close."""
+    from tests.daemon.conftest import STORE, start_daemon
+
+    if STORE != "swap":
+        pytest.skip("needs the real swap layer in the daemon")
+    data = _data(6)
+    config = _config("nvme", param_device, str(tmp_path))
+    embedded, _, _, _ = initialize(model=_gpt(), config=config)
+    try:
+        ref = _engine_losses(embedded, data)
+        assert not embedded.stage3.param_tier.daemon
+    finally:
+        embedded.close()
+    daemon = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                          sessions={"default_quota_bytes": 8 << 20})
+    try:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+        config["offload"] = {"job_id": "s3-job"}
+        engine, _, _, _ = initialize(model=_gpt(), config=config)
+        try:
+            assert engine.stage3.param_tier.daemon
+            assert sorted(s["job_id"] for s in daemon.status()["sessions"]) == ["s3-job", "s3-job.params"]
+            assert _engine_losses(engine, data) == ref
+            if param_device == "nvme":
+                io = engine.stage3.param_tier.store.stats()
+                assert io.bytes_written_total > 0 and io.bytes_read_total > 0
+        finally:
+            engine.close()
+        assert daemon.status()["sessions"] == []
+    finally:
+        daemon.stop()

@@ -50,11 +50,25 @@ def proc_status() -> dict[str, int]:
     return out
 
 
-def gpt2_init(module: nn.Module) -> None:
-    """GPT-2's init for a module's own params (the context's param_init_fn): N(0, 0.02), zero biases, unit norms."""
+class GPT2Init:
+    """GPT-2's init for a module's own params (the context's param_init_fn): N(0, 0.02) weights, the two
+    projections into the residual stream N(0, 0.02 / sqrt(2 n_layer)), zero biases, unit norms. ``names``
+    (module -> name) is filled once the model is built: the function is given before it exists."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.residual_std = 0.02 / (2 * n_layer) ** 0.5
+        self.names: dict[int, str] = {}
+
+    def __call__(self, module: nn.Module) -> None:
+        std = self.residual_std if self.names.get(id(module), "").endswith(".proj") else 0.02
+        gpt2_init(module, std)
+
+
+def gpt2_init(module: nn.Module, std: float = 0.02) -> None:
+    """N(0, std) weights, zero biases, unit norms, for one module's own params."""
     with torch.no_grad():
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, 0.0, 0.02)
+            nn.init.normal_(module.weight, 0.0, std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
@@ -92,8 +106,10 @@ def run(args) -> dict:
     config = engine_config(args, args.nvme_path)
     base = proc_status()
     t0 = time.perf_counter()
-    with init_context(config, param_init_fn=gpt2_init):
+    init = GPT2Init(args.n_layer)
+    with init_context(config, param_init_fn=init):
         model = GPT(gcfg)
+    init.names.update((id(m), name) for name, m in model.named_modules())
     n = sum(p.numel() for p in model.parameters())
     print(f"model: {n / 1e9:.3f} B params; fp32 master + Adam moments {12 * n / GIB:.1f} GiB", flush=True)
     engine, _, _, _ = initialize(model=model, config=config)
