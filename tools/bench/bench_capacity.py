@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from offload import init_context, initialize  # noqa: E402
-from offload.models.gpt import GPT, GPTConfig  # noqa: E402
+from offload.models.gpt import GPT, GPTConfig, init_module  # noqa: E402
 from offload.models.text import CharTokenizer, load_corpus  # noqa: E402
 
 GIB = 1 << 30
@@ -61,20 +61,7 @@ class GPT2Init:
 
     def __call__(self, module: nn.Module) -> None:
         std = self.residual_std if self.names.get(id(module), "").endswith(".proj") else 0.02
-        gpt2_init(module, std)
-
-
-def gpt2_init(module: nn.Module, std: float = 0.02) -> None:
-    """N(0, std) weights, zero biases, unit norms, for one module's own params."""
-    with torch.no_grad():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, 0.0, std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+        init_module(module, std)
 
 
 def engine_config(args, nvme_path: str) -> dict:
