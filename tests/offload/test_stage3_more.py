@@ -211,3 +211,36 @@ def test_param_shards_go_through_the_daemon(tmp_path, monkeypatch, param_device)
         assert daemon.status()["sessions"] == []
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("stage,gather", [(3, False), (3, True), (2, False)])
+def test_save_16bit_model(tmp_path, stage, gather):
+    """DeepSpeed's save_16bit_model: stage 3 writes nothing and says False unless
+    stage3_gather_16bit_weights_on_model_save; then (and always with stage 2) the file is the module's
+    state dict in the compute dtype (bf16 here), the tied head still one tensor with the embedding, and a
+    plain GPT cast to bf16 loads it strictly."""
+    net = _gpt()
+    config = _config("cpu", "cpu" if stage == 3 else "none", str(tmp_path), stage=stage,
+                     stage3_gather_16bit_weights_on_model_save=gather)
+    config["bf16"] = {"enabled": True}
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        _engine_losses(engine, _data(2))
+        saved = engine.save_16bit_model(str(tmp_path / "out"), "model.bin")
+        assert saved == (stage != 3 or gather)
+        assert (tmp_path / "out" / "model.bin").exists() == saved
+        if not saved:
+            return
+        ctx = engine.stage3.coordinator.gathered() if stage == 3 else torch.no_grad()
+        with ctx:
+            expected = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    finally:
+        engine.close()
+    got = torch.load(tmp_path / "out" / "model.bin")
+    assert list(got) == list(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == torch.bfloat16 or not value.is_floating_point()
+        assert torch.equal(got[key], value), key
+    assert got["head.weight"].data_ptr() == got["tok_emb.weight"].data_ptr()
+    plain = _gpt().to(torch.bfloat16)
+    plain.load_state_dict(got, strict=True)
