@@ -32,6 +32,7 @@ from offload.zero.layout import FlatLayout
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.states import StateStorage
+from offload.zero.unit_grads import UnitGradReducer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def _note_inert_settings(config: EngineConfig) -> None:
     """Say once which accepted settings do not change what this engine does, and why."""
     zero, inert = config.zero, []
     if not zero.contiguous_gradients:
-        inert.append("zero_optimization.contiguous_gradients=false (gradients always live in one flat buffer)")
+        inert.append("zero_optimization.contiguous_gradients=false (gradients always land in flat buffers)")
     if not zero.reduce_scatter:
         inert.append("zero_optimization.reduce_scatter=false (stages 1-2 always reduce-scatter buckets)")
     if zero.overlap_comm:
@@ -71,6 +72,12 @@ def _note_inert_settings(config: EngineConfig) -> None:
         inert.append("offload_optimizer.pipeline_read/pipeline_write (NVMe sub-groups are always pipelined)")
     if off.fast_init:
         inert.append("offload_optimizer.fast_init")
+    param = zero.offload_param
+    if zero.stage == 3 and param.device != OffloadDevice.NONE:  # buffer_count acts with nvme: the shard window
+        inert.append("offload_param.buffer_size (host buffers are sized from the largest param shard)")
+        inert.append("offload_param.max_in_cpu (with nvme, at most buffer_count shards are in host memory)"
+                     if param.device == OffloadDevice.NVME else "offload_param buffer_count/max_in_cpu with cpu "
+                     "(every shard is in host memory)")
     for item in inert:
         logger.info("accepted, no effect here: %s", item)
 
@@ -223,10 +230,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         parts = build_stage3(model, [g["params"] for g in groups], names, zero=zero, aio=cfg.aio,
                              checksum=cfg.offload.checksum, dtype=dtype, device=ranks.device, rank=ranks.rank,
                              world_size=ranks.world_size, group=ranks.group, sub_group_numel=sub_group,
-                             param_init_fn=init_fn_of(model))
+                             param_init_fn=init_fn_of(model), offload=cfg.offload)
         layout = parts.layout
         flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
-        flat_grads = torch.zeros(layout.total_numel, dtype=dtype, device=ranks.device)
+        flat_grads = None  # nor a full gradient buffer: [Note: unit gradients]
     else:
         layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
                              for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
@@ -247,6 +254,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             storage.adopt()
         else:
             storage.allocate(parts.fill_master if parts else lambda sg, master: _fill_master(layout, sg, master, masters))
+            if parts is not None:
+                parts.let_go()
         del masters
         opt = cfg.optimizer
         defaults = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
@@ -258,8 +267,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,
                                gather=shard, params_out=parts.shards.params_out if parts else None,
                                after_step=parts.coordinator.after_step if parts else None, fetcher=fetcher)
-        reducer = GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
-                              comm_world=ranks.world_size, land=adam.land, fetcher=fetcher)
+        reducer = UnitGradReducer(layout, params, group=ranks.group, comm_world=ranks.world_size, land=adam.land) \
+            if stage3 else GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
+                                       comm_world=ranks.world_size, land=adam.land, fetcher=fetcher)
         scheduler = _scheduler(lr_scheduler, cfg, facade)
         loader = _dataloader(training_data, cfg, ranks, collate_fn) if training_data is not None else None
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,

@@ -220,8 +220,24 @@ def _engine_meta(engine) -> dict[str, Any]:
     del meta["rng"], meta["client_state"]  # per rank, and the caller's: entries of their own
     meta.update(params=[(s.name, s.shape) for s in engine.layout.slots],
                 module_keys=list(engine.module.state_dict().keys()), world_size=engine.world_size,
-                stage=engine.config.zero.stage, dtype=str(engine.compute_dtype))
+                stage=engine.config.zero.stage, dtype=str(engine.compute_dtype), aliases=_aliases(engine))
     return meta
+
+
+def _aliases(engine) -> dict[str, str]:
+    """State-dict keys of a tied trainable param other than the name its optimizer state is saved under
+    (a GPT's ``head.weight`` -> ``tok_emb.weight``)."""
+    trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if id(p) not in trainable:
+            continue
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 def _bytes(value: Any) -> bytes:
@@ -329,8 +345,11 @@ def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:
         dcp.load(holder, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
     meta = pickle.loads(holder["engine"])
     shapes = dict(meta["params"])
+    aliases = meta.get("aliases", {})  # tied params: one optimizer entry, every name gets its fp32 master
     state: dict[str, Any] = {}
     for key in meta["module_keys"]:
+        if key in aliases:
+            continue
         if key in shapes:
             numel = 1
             for d in shapes[key]:
@@ -343,6 +362,7 @@ def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:
         dcp.load(state, storage_reader=reader, no_dist=True)
     out = {}
     for key in meta["module_keys"]:
-        out[key] = state[f"optim.{key}.master"].view(shapes[key]) if key in shapes else state[f"module.{key}"]
+        name = aliases.get(key, key)
+        out[key] = state[f"optim.{name}.master"].view(shapes[name]) if name in shapes else state[f"module.{key}"]
     torch.save(out, out_path)
     return out

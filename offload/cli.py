@@ -1,4 +1,5 @@
-"""The ``offload`` command: ``demo`` (the main job), ``info``, ``daemon`` (the node service) and ``status``."""
+"""The ``offload`` command: ``demo`` (the main job), ``info``, ``daemon`` (the node service), ``status``,
+``consolidate`` and ``estimate``."""
 from __future__ import annotations
 
 import argparse
@@ -128,6 +129,12 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from offload.estimate import run_cli
+
+    return run_cli(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from offload.demo import DemoConfig, run_demo
 
@@ -204,6 +211,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("checkpoint", help="the checkpoint directory (save_dir/tag)")
     c.add_argument("out", help="the .pt file to write (torch.save of a state_dict)")
     c.set_defaults(fn=_consolidate)
+
+    e = sub.add_parser("estimate", help="device, host and NVMe bytes per ZeRO stage and offload choice")
+    from offload.estimate import add_arguments
+
+    add_arguments(e)
+    e.set_defaults(fn=_estimate)
     return parser
 
 

@@ -319,6 +319,14 @@ class Engine:
             self.delayed.finish()
         return save_checkpoint(self, save_dir, tag=tag, client_state=state, save_latest=save_latest)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The weights in the compute dtype as one state dict file (stage 3: only with
+        stage3_gather_16bit_weights_on_model_save); True if written. See ``offload.model_save``."""
+        from offload.model_save import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
+
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True) -> tuple[str | None, dict]:
         from offload.checkpoint import load_checkpoint

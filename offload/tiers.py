@@ -40,6 +40,8 @@ class TierPlan:
     """NVMe space for the regions that are evicted (page-rounded); 0 when host only."""
     nvme_path: str | None = None
     """Directory for the swap file (nvme)."""
+    segment_bytes: int | None = None
+    """Bytes per host pool segment of the embedded store (a region never spans two); None: one segment."""
 
 
 @dataclasses.dataclass
@@ -92,7 +94,7 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
     config = TierStoreConfig(checksum="crc32c" if checksum else "none")
     if not plan.nvme:
         store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[],
-                                 swap_capacity_bytes=0, config=config)
+                                 swap_capacity_bytes=0, segment_bytes=plan.segment_bytes, config=config)
         return Tier(store, "embedded TierStore (host memory)")
     swap_bytes = swap_capacity_bytes or plan.swap_bytes
     if swap_bytes < plan.swap_bytes:
@@ -104,7 +106,7 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
                                        num_threads=aio.intra_op_parallelism, probe_paths=(swap_dir,))
         store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[swap_dir],
                                  swap_capacity_bytes=align_up(swap_bytes, PAGE), engine_config=engine_config,
-                                 config=config)
+                                 segment_bytes=plan.segment_bytes, config=config)
     except BaseException:
         shutil.rmtree(swap_dir, ignore_errors=True)
         raise

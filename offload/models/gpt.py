@@ -24,7 +24,7 @@ from csrc.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GPTConfig", "GPT"]
+__all__ = ["GPTConfig", "GPT", "init_module"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +108,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_mlp(x))
 
 
+def init_module(module: nn.Module, std: float, *, generator: torch.Generator | None = None) -> None:
+    """GPT-2's init of one module's own params: Linear and Embedding weights N(0, std), biases zero,
+    LayerNorms one and zero; other modules are left alone."""
+    with torch.no_grad():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+
 class GPT(nn.Module):
     """The decoder-only language model; ``forward(idx, targets)`` returns the mean loss."""
 
@@ -135,17 +149,9 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         with torch.no_grad():
             for name, module in self.named_modules():
-                if isinstance(module, (nn.Linear, nn.Embedding)):
-                    if module is self.head and self.config.tied_head:
-                        continue
-                    std = residual_std if name.endswith(".proj") else 0.02
-                    nn.init.normal_(module.weight, 0.0, std, generator=gen)
-                    if getattr(module, "bias", None) is not None:
-                        nn.init.zeros_(module.bias)
-                elif isinstance(module, nn.LayerNorm):
-                    nn.init.ones_(module.weight)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
+                if module is self.head and self.config.tied_head:
+                    continue
+                init_module(module, residual_std if name.endswith(".proj") else 0.02, generator=gen)
 
     def num_parameters(self) -> int:
         """Distinct parameter elements (a tied head counts once)."""

@@ -212,19 +212,26 @@ class PartitionedAdam:
         master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
         grad = plan.grads[sg.index]
         for group in sorted({p.group for p in sg.pieces}):
-            pieces = [p for p in sg.pieces if p.group == group]
-            cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
-            masters = [master[a:b] for a, b in cut]
-            grads = [grad[a:b] for a, b in cut]
-            ms = [exp_avg[a:b] for a, b in cut]
-            vs = [exp_avg_sq[a:b] for a, b in cut]
-            outs = [self._out(p) for p in pieces]
-            hyper = plan.hypers[group]
-            if self._on_host:
-                steps = [torch.full((1,), float(plan.step_count)) for _ in pieces]
-                adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
-            else:
-                _torch_adam(masters, grads, ms, vs, outs, hyper, mult, plan.step_count)
+            in_group = [p for p in sg.pieces if p.group == group]
+            # stage 3: a piece's output is a param shard that ``params_out`` may give back (and evict) when
+            # a later one is asked for, so each piece is stepped before the next is asked for
+            for pieces in ([p] for p in in_group) if self._params_out is not None else [in_group]:
+                self._step_pieces(pieces, master, grad, exp_avg, exp_avg_sq, plan.hypers[group], mult,
+                                  plan.step_count)
+
+    def _step_pieces(self, pieces: list[Piece], master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                     exp_avg_sq: torch.Tensor, hyper: AdamConfig, mult: float, step_count: int) -> None:
+        cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
+        masters = [master[a:b] for a, b in cut]
+        grads = [grad[a:b] for a, b in cut]
+        ms = [exp_avg[a:b] for a, b in cut]
+        vs = [exp_avg_sq[a:b] for a, b in cut]
+        outs = [self._out(p) for p in pieces]
+        if self._on_host:
+            steps = [torch.full((1,), float(step_count)) for _ in pieces]
+            adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
+        else:
+            _torch_adam(masters, grads, ms, vs, outs, hyper, mult, step_count)
 
     def _copy_staging_to_device(self) -> None:
         pairs = [(self.flat_params[p.flat_start:p.flat_start + p.numel], self._staging[p.part_start:p.part_start + p.numel])

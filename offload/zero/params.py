@@ -171,8 +171,11 @@ class ParamCoordinator:
             self._pos = self._order.index(u, self._pos) + 1
         except ValueError:
             return
+        self._prefetch_ahead([] if self.is_gathered(u) else [u])  # u itself first: what is ahead never takes its room
+
+    def _prefetch_ahead(self, ahead: list[int]) -> None:
+        """Prefetch ``ahead``, then the shards after the current position, within the bucket budget."""
         budget = self.config.prefetch_bucket_numel
-        ahead = []
         for v in self._order[self._pos:]:
             if budget < self.layout.buckets[v].shard_numel:
                 break
@@ -265,6 +268,7 @@ class ParamCoordinator:
             logger.info("stage 3: fetch order recorded (%d fetches)", len(self._trace))
             self._order = self._trace
         self._trace, self._pos = [], 0
+        self._prefetch_ahead([])  # the next forward's first units, while the caller does what it does between steps
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

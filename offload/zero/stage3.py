@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError
-from offload.config import OffloadDevice
+from offload.config import OffloadDevice, resolve_daemon_socket, resolve_job_id
 from offload.tiers import PAGE, Tier, TierPlan, open_tier
 from offload.zero.layout import FlatLayout, SubGroup
 from offload.zero.params import ParamCoordinator, Stage3Config
@@ -43,16 +43,24 @@ class Stage3Parts:
     param_tier: Tier | None
     materialize_peak_bytes: int = 0
     """The most bytes the unit buffers held at once while the params were put in their partitions."""
+    _holding: tuple[int, torch.Tensor] | None = None
 
     def fill_master(self, sg: SubGroup, master: torch.Tensor) -> None:
-        """The fp32 master of a sub-group, from the compute-dtype shards it covers."""
+        """The fp32 master of a sub-group, from the compute-dtype shards it covers. The last shard read
+        stays held (a unit spans many sub-groups: it is read from NVMe once); ``let_go`` gives it back."""
         for piece in sg.pieces:
-            shard = self.shards.acquire(piece.bucket)
-            try:
-                start = piece.flat_start - self.layout.buckets[piece.bucket].shard_start(self.layout.rank)
-                master[piece.sub_start:piece.sub_start + piece.numel].copy_(shard[start:start + piece.numel])
-            finally:
-                self.shards.release(piece.bucket, dirty=False)
+            if self._holding is None or self._holding[0] != piece.bucket:
+                self.let_go()
+                self._holding = (piece.bucket, self.shards.acquire(piece.bucket))
+            shard = self._holding[1]
+            start = piece.flat_start - self.layout.buckets[piece.bucket].shard_start(self.layout.rank)
+            master[piece.sub_start:piece.sub_start + piece.numel].copy_(shard[start:start + piece.numel])
+
+    def let_go(self) -> None:
+        """Give back the shard ``fill_master`` holds, if any."""
+        if self._holding is not None:
+            self.shards.release(self._holding[0], dirty=False)
+            self._holding = None
 
     def reload_from_masters(self, adam) -> None:
         """After a checkpoint load: the compute-dtype shards from the fp32 masters, then regathered."""
@@ -63,6 +71,7 @@ class Stage3Parts:
         self.coordinator.after_step()
 
     def close(self) -> None:
+        self.let_go()
         self.coordinator.close()
         self.shards.close()
         if self.param_tier is not None:
@@ -89,27 +98,45 @@ def replace_meta_params(model: torch.nn.Module, dtype: torch.dtype, device: torc
     return bool(made)
 
 
-def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, checksum: bool) -> Tier | None:
-    """The embedded store for the shards: host memory for all of them (cpu), or for ``buffer_count``
-    of the largest (nvme), sized from the layout so no unit is too large for it."""
+def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, checksum: bool,
+                offload=None) -> Tier | None:
+    """The embedded store for the shards: host memory for all of them (cpu), or (nvme) ``buffer_count``
+    segments each as large as the largest shard, sized from the layout so no unit is too large for it.
+    One segment per shard held: shards of mixed sizes come and go, and a run of free bytes large enough
+    could otherwise be missing though the bytes are there; with fewer shards held than segments, one
+    segment is empty."""
     off = zero.offload_param
     if off.device == OffloadDevice.NONE:
         return None
     sizes = sorted((-(-b.shard_numel * itemsize // PAGE) * PAGE for b in layout.buckets), reverse=True)
     nvme = off.device == OffloadDevice.NVME
     window = max(3, off.buffer_count)
-    resident = sum(sizes[:window]) if nvme else sum(sizes)
+    resident = window * sizes[0] if nvme else sum(sizes)
     plan = TierPlan(nvme=nvme, region_bytes=tuple(sizes), resident_bytes=resident,
-                    swap_bytes=sum(sizes) if nvme else 0, nvme_path=off.nvme_path)
-    return open_tier(plan, daemon_socket=None, job_id="params", rank=rank, aio=aio, host_memory_bytes=None,
-                     swap_capacity_bytes=None, checksum=checksum)
+                    swap_bytes=sum(sizes) if nvme else 0, nvme_path=off.nvme_path,
+                    segment_bytes=sizes[0] if nvme else None)
+    # With a daemon the shards are a session of their own, "<job>.params": the node's pool and NVMe queue
+    # serve both legs. It starts empty every time: a resume rebuilds the shards from the fp32 masters.
+    socket = resolve_daemon_socket(offload) if offload is not None else None
+    job = f"{resolve_job_id(offload)}.params" if socket else "params"
+
+    def open_() -> Tier:
+        return open_tier(plan, daemon_socket=socket, job_id=job, rank=rank, aio=aio, host_memory_bytes=None,
+                         swap_capacity_bytes=None, checksum=checksum)
+
+    tier = open_()
+    if getattr(tier.store, "reattached", False):  # left by a process that died: its shards are stale
+        tier.close()
+        tier = open_()
+    return tier
 
 
 def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], names: dict[int, str], *,
                  zero, aio, checksum: bool, dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, sub_group_numel: int,
-                 param_init_fn: Callable[[torch.nn.Module], None] | None = None) -> Stage3Parts:
-    """Lay out the units, open the shards' tier, put the params in their partitions, hook the modules."""
+                 param_init_fn: Callable[[torch.nn.Module], None] | None = None, offload=None) -> Stage3Parts:
+    """Lay out the units, open the shards' tier (the daemon's when ``offload``, the config's offload
+    section, names one), put the params in their partitions, hook the modules."""
     plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold)
     params = [p for g in groups for p in g]
     layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
@@ -119,7 +146,7 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
     logger.info("rank %d: stage 3, %d unit(s) (%d persistent); %s", rank, len(layout.buckets), len(plan.persistent),
                 layout.describe())
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    tier = _param_tier(zero, layout, itemsize, rank=rank, aio=aio, checksum=checksum)
+    tier = _param_tier(zero, layout, itemsize, rank=rank, aio=aio, checksum=checksum, offload=offload)
     try:
         shards = ShardStore(layout, dtype=dtype, device=device, tier=tier.store if tier else None,
                             nvme=zero.offload_param.device == OffloadDevice.NVME,

@@ -9,6 +9,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from offload.builder import initialize
 
@@ -61,6 +62,8 @@ def main() -> None:
                 "lr": engine.get_lr(), "steps": engine.global_steps},
                os.path.join(workdir, f"{mode}-rank{rank}.pt"))
     engine.close()
+    if dist.is_initialized():  # gloo's threads joined before exit ([Note: world group lifetime])
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

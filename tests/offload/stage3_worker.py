@@ -8,6 +8,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from offload.builder import initialize
 
@@ -72,6 +73,8 @@ def main() -> None:
         params = [p.detach().clone() for p in net.parameters()]
     torch.save({"losses": losses, "params": params}, os.path.join(workdir, f"rank{rank}.pt"))
     engine.close()
+    if dist.is_initialized():  # gloo's threads joined before exit ([Note: world group lifetime])
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

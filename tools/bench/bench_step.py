@@ -19,6 +19,7 @@ median over rounds of the paired ratio of its step time to torch's in the same r
 
 Usage: python tools/bench/bench_step.py [--rounds 3] [--steps-per-round 3] [--batch 2]
        [--seq 128] [--nvme-path DIR] [--nvme 4 32 32:nocrc] [--out FILE]
+       python tools/bench/bench_step.py --stage3 ...   (the stage 3 rows: tools/bench/step_stage3.py)
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adam import _cpu_model  # noqa: E402  (one reader of the CPU's name for the benches)
+from bench_adam import cpu_description as _cpu_model  # noqa: E402  (one reader of the CPU's name for the benches)
 from cpu_adam import resolve_isa  # noqa: E402
 from offload.builder import initialize  # noqa: E402
 
@@ -152,6 +153,11 @@ def _fmt(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--stage3" in argv:  # the stage-3 rows live in their own module
+        import step_stage3
+
+        return step_stage3.main([a for a in argv if a != "--stage3"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=3, help="the first of them is not measured")

@@ -1,0 +1,133 @@
+"""Stage 3's gradients: one buffer per unit while backward passes it, never one for the whole model.
+
+[Note: unit gradients] Stages 0-2 keep a flat gradient buffer as large as the model
+(``offload.zero.grads``). Stage 3 cannot: the model may be larger than memory. Here a unit's
+gradient buffer (the compute dtype, ``bucket.numel`` elements, zeros in the padding) is made
+when the first of its parameters' gradients is accumulated; each gradient is copied into its
+slot and the parameter's ``.grad`` dropped at once. When the last one has come, the buffer is
+reduce-scattered (or, with one rank, landed as it is) into the optimizer's fp32 accumulators
+and freed. So backward holds the buffers of the units it is in, plus at most
+``max_in_flight`` being reduced. Units no gradient reached (unused parameters) land zeros at
+the end, so every rank runs the same collectives and the accumulators hold no stale values.
+
+Stage 3 reduces every micro-step (as stage 2): the accumulators sum micro-steps (``first``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from offload.zero.layout import Bucket, FlatLayout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["UnitGradReducer"]
+
+Land = Callable[[Bucket, torch.Tensor, bool, bool], None]
+
+
+class UnitGradReducer:
+    """Per-unit gradient buffers, reduced as each unit's backward completes (the engine's reducer for stage 3)."""
+
+    def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], *, group: dist.ProcessGroup | None,
+                 comm_world: int, land: Land, max_in_flight: int = 2) -> None:
+        self.layout = layout
+        self.params = list(params)
+        self.group = group
+        self.comm_world = comm_world
+        self.max_in_flight = max(1, max_in_flight)
+        self._land = land
+        self._unit_of = [0] * len(self.params)
+        for b in layout.buckets:
+            for i in b.slots:
+                self._unit_of[i] = b.index
+        self._bufs: dict[int, torch.Tensor] = {}
+        self._pending: list[int] = []
+        self._launched: list[bool] = []
+        self._inflight: list[tuple[Bucket, torch.Tensor, torch.Tensor, object]] = []
+        self._active = False
+        self._first = True
+        self._final = True
+        self.peak_buffer_bytes = 0
+        """The most bytes the unit gradient buffers (and reduce outputs) held at once."""
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    def _buffer(self, u: int) -> torch.Tensor:
+        buf = self._bufs.get(u)
+        if buf is None:
+            p = self.params[self.layout.buckets[u].slots[0]]
+            buf = self._bufs[u] = torch.zeros(self.layout.buckets[u].numel, dtype=p.dtype, device=p.device)
+            held = sum(t.numel() * t.element_size() for t in self._bufs.values())
+            held += sum(full.numel() * full.element_size() + out.numel() * out.element_size()
+                        for _, out, full, _ in self._inflight)
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, held)
+        return buf
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        slot = self.layout.slots[index]
+
+        def on_grad(param: torch.Tensor) -> None:
+            if not self._active or param.grad is None:
+                return  # a backward outside engine.backward: the grad stays on the param
+            u = self._unit_of[index]
+            start = slot.offset - self.layout.buckets[u].start
+            self._buffer(u)[start:start + slot.numel].view(slot.shape).copy_(param.grad)
+            param.grad = None
+            self._pending[u] -= 1
+            if self._pending[u] == 0:
+                self._launch(u)
+        return on_grad
+
+    def begin(self, *, reduce: bool, first: bool, final: bool) -> None:
+        """Before a micro-step's backward (stage 3 always reduces)."""
+        self._active = True
+        self._first, self._final = first, final
+        self._pending = [len(b.slots) for b in self.layout.buckets]
+        self._launched = [False] * len(self.layout.buckets)
+
+    def _launch(self, u: int) -> None:
+        self._launched[u] = True
+        b = self.layout.buckets[u]
+        buf = self._bufs.pop(u, None)
+        if buf is None:
+            buf = self._buffer(u)
+            self._bufs.pop(u)
+        if self.comm_world == 1:
+            self._land(b, buf, self._first, self._final)
+            return
+        while len(self._inflight) >= self.max_in_flight:
+            self._finish(self._inflight.pop(0))
+        out = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
+        work = dist.reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+        self._inflight.append((b, out, buf, work))
+
+    def _finish(self, entry) -> None:
+        b, out, _, work = entry
+        work.wait()
+        self._land(b, out, self._first, self._final)
+
+    def end(self) -> None:
+        """After backward: reduce the units no gradient reached (zeros), land everything in flight."""
+        if not self._active:
+            return
+        for b in self.layout.buckets:
+            if not self._launched[b.index]:
+                self._launch(b.index)
+        while self._inflight:
+            self._finish(self._inflight.pop(0))
+        self._active = False
+
+    def zero(self) -> None:
+        """Drop gradients left on the params (a backward outside the engine)."""
+        for p in self.params:
+            p.grad = None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._bufs.clear()
+        self._inflight.clear()

@@ -1,0 +1,100 @@
+"""``offload estimate``: the ZeRO formulas by hand, the engine's own buffers by hand, and the
+prediction against the peak resident memory of a real stage-3 run (another process)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offload.cli import main
+from offload.estimate import EstimateInput, estimate, gpt_shapes, shapes_from_count, zero_formula_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "offload", "estimate_worker.py")
+PSI = 64 * 4 * 1000  # 256,000 elements: splits evenly over 1, 2 and 4 ranks, no padding
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("c", [2, 4])
+def test_zero_formulas(world, c):
+    """The ZeRO paper's model states per device: (2+2+K) Psi, 2 Psi + 2 Psi + K Psi / N, 2 Psi + (2+K) Psi / N,
+    (2+2+K) Psi / N with fp16 (K = 12); fp32 doubles the 2s."""
+    expected = {0: 2 * c * PSI + 12 * PSI, 1: c * PSI + c * PSI + 12 * PSI // world,
+                2: c * PSI + c * PSI // world + 12 * PSI // world, 3: (c + c + 12) * PSI // world}
+    for stage, value in expected.items():
+        assert zero_formula_bytes(stage, PSI, world, c) == value
+    rows = estimate(EstimateInput(shapes=shapes_from_count(PSI), world_size=world, compute_bytes=c)).rows
+    assert {r.zero_formula_bytes for r in rows if r.stage == 3} == {expected[3]}
+
+
+def test_stage3_without_offload_is_zero3_plus_the_fp32_gradient_accumulators():
+    """Stage 3, nothing offloaded, two ranks, bf16: param shards c Psi/N, fp32 master + moments 12 Psi/N and
+    this engine's fp32 gradient accumulators 4 Psi/N; gathered units and gradient buffers come on top."""
+    shapes = shapes_from_count(PSI, largest_layer=PSI // 4)
+    row = estimate(EstimateInput(shapes=shapes, world_size=2, compute_bytes=2)).row(stage=3)
+    parts = {what: b for what, _, b in row.parts}
+    assert parts["param shards"] == 2 * PSI // 2
+    assert parts["fp32 master + moments"] == 12 * PSI // 2
+    assert parts["fp32 gradient accumulators"] == 4 * PSI // 2
+    assert parts["gathered units (persistent + live)"] == 2 * PSI  # max_live 1e9: every unit may stay gathered
+    assert parts["unit gradient buffers"] == 2 * (PSI // 4 + PSI // 4)  # the largest unit + autograd's grad of it
+    assert row.host_bytes == 0 and row.nvme_bytes == 0
+    assert row.device_bytes == sum(parts.values())
+
+
+def test_nvme_rows_by_hand():
+    """fp32, one rank, 10 Mi elements in units of 1 Mi: sub-groups of 4 Mi (the offload cap), 3 of them.
+    Stage 2, optimizer nvme: flat params and grads 4 + 4 bytes per element on the device; host: the fp32
+    grads (4 B) and buffer_count (4) state blocks, here all 3 (12 B x 4 Mi, 12 B x 4 Mi, 12 B x 2 Mi);
+    NVMe: 12 B per element. Stage 3 with params on NVMe too: 5 shard segments of 4 MiB in host memory."""
+    n, mi = 10 << 20, 1 << 20
+    inp = EstimateInput(shapes=shapes_from_count(n, largest_layer=mi), compute_bytes=4)
+    est = estimate(inp)
+    row = est.row(stage=2, optimizer="nvme")
+    assert row.device_bytes == 8 * n + 2 * 4 * mi  # + backward's scratch: 2 x the largest param
+    assert row.host_bytes == 4 * n + 12 * n
+    assert row.nvme_bytes == 12 * n
+    row3 = est.row(stage=3, optimizer="nvme", param="nvme")
+    assert row3.host_bytes == 4 * n + 12 * n + 5 * 4 * mi
+    assert row3.nvme_bytes == 12 * n + 4 * n
+    assert est.row(stage=3, optimizer="cpu", param="cpu").host_bytes == 4 * n + 12 * n + 4 * n
+
+
+def _measured(opt_device: str, param_device: str, workdir: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, WORKER, opt_device, param_device, workdir, "1", "1536"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("opt_device,param_device", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_estimate_within_ten_percent_of_a_real_runs_peak(tmp_path, opt_device, param_device):
+    """A one-block GPT of width 1536 (~30M parameters) built under init_context trains two steps in another
+    process; its VmHWM is within 10% of the estimate for its config, given the process's own memory before
+    the model."""
+    got = _measured(opt_device, param_device, str(tmp_path))
+    shapes = gpt_shapes(vocab_size=64, n_layer=1, n_embd=1536, n_head=4, seq=16, batch=2)
+    row = estimate(EstimateInput.from_config(got["config"], shapes, baseline_bytes=got["baseline"]),
+                   stages=[3]).row(stage=3, optimizer=opt_device, param=param_device)
+    assert abs(row.process_bytes - got["peak"]) / got["peak"] < 0.10, (row.process_bytes, got["peak"], row.parts)
+
+
+def test_cli_table_json_and_bad_input(capsys):
+    assert main(["estimate", "--params", "2e9", "--no-baseline", "--detail", "3,nvme,nvme"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("2,000,000,000 parameters")
+    rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    assert len(rows) == 18 and all(len(r) == 8 for r in rows)  # stages 0-2 x 3 optimizer places, stage 3 x 9
+    assert "fp32 master + moments" in out
+    assert main(["estimate", "--gpt", "n_layer=2,n_embd=64,vocab_size=100", "--seq", "8", "--json", "--stage", "3"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 9 and {r["stage"] for r in rows} == {3}
+    assert all(r["process_bytes"] == r["device_bytes"] + r["host_bytes"] for r in rows)
+    assert main(["estimate", "--params", "lots"]) == 2
+    assert "not a count of parameters" in capsys.readouterr().err
+    assert main(["estimate", "--gpt", "n_layer=2"]) == 2
