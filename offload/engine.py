@@ -110,6 +110,7 @@ class Engine:
         self.client_state: dict[str, Any] = {}
         """The caller's small state (its data position): committed with every step, back after a resume."""
         self.commit: CommitRegion | None = None  # set by initialize when the tier is the daemon
+        self.reporter: Any = None  # offload.report.StepReporter: with the daemon, one report per step
         self.resumed_step: int | None = None  # the step this process resumed from the daemon at, if it did
         self.last_checkpoint: str | None = None
         self.stop_requested = False  # SIGTERM: finish the step, commit, detach, exit
@@ -216,6 +217,8 @@ class Engine:
         self.micro_steps += 1
         if boundary and self.commit is not None:
             self.commit.commit(self.global_steps, self.small_state())
+            if self.reporter is not None:
+                self.reporter.report(self)
             if self.stop_requested:
                 logger.warning("rank %d: stopping at step %d on SIGTERM; the state is committed and the session "
                                "kept for a restart", self.global_rank, self.global_steps)
