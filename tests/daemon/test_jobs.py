@@ -5,25 +5,16 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from csrc.errors import ConfigError, ProtocolError
 from daemon.client import DaemonConnection, TierClient, TierClientConfig
 from daemon.protocol import PROTOCOL_VERSION, Kind
 from offload.cli import format_status
+from tests.daemon.prom import scrape
 
 UID = str(os.getuid())
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def job_samples(samples: dict, job: str) -> dict[tuple[str, tuple], float]:
