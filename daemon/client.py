@@ -457,13 +457,16 @@ class TierClient:
         self._request(Kind.REPORT_STEP, {"seconds": float(seconds)})
 
     def job_step(self, *, step: int, step_seconds: float, io_wait_seconds: float, read_bytes: int,
-                 write_bytes: int, skipped_steps: int, loss_scale: float) -> bool:
-        """One optimizer step's figures for the daemon's per-job series (JOB_STEP); False when the
-        daemon only counted them (the job is beyond its [metrics] max_jobs)."""
-        reply = self._request(Kind.JOB_STEP, {
-            "step": int(step), "step_seconds": float(step_seconds), "io_wait_seconds": float(io_wait_seconds),
-            "read_bytes": int(read_bytes), "write_bytes": int(write_bytes), "skipped_steps": int(skipped_steps),
-            "loss_scale": float(loss_scale)})
+                 write_bytes: int, skipped_steps: int, loss_scale: float, closing: bool = False) -> bool:
+        """One optimizer step's figures for the daemon's per-job series (JOB_STEP; ``closing``: the last
+        report, at close, which is no step); False when the daemon only counted them (the job is beyond
+        its [metrics] max_jobs)."""
+        body = {"step": int(step), "step_seconds": float(step_seconds), "io_wait_seconds": float(io_wait_seconds),
+                "read_bytes": int(read_bytes), "write_bytes": int(write_bytes), "skipped_steps": int(skipped_steps),
+                "loss_scale": float(loss_scale)}
+        if closing:
+            body["closing"] = True
+        reply = self._request(Kind.JOB_STEP, body)
         return bool(reply.get("labelled", False))
 
     def ping(self) -> None:

@@ -169,14 +169,16 @@ class JobTable:
             if figures is None:
                 figures = job.ranks[rank] = RankFigures()
             figures.step = body["step"]
-            figures.steps_total += 1
+            closing = body.get("closing", False)
+            figures.steps_total += 0 if closing else 1
             figures.skipped_steps_total += body["skipped_steps"]
             figures.step_seconds_total += body["step_seconds"]
             figures.io_wait_seconds_total += body["io_wait_seconds"]
             figures.read_bytes_total += body["read_bytes"]
             figures.write_bytes_total += body["write_bytes"]
             figures.loss_scale = float(body["loss_scale"])
-            figures.reports.append((time.monotonic(), figures.steps_total))
+            if not closing:
+                figures.reports.append((time.monotonic(), figures.steps_total))
         return True
 
     def rank_status(self, uid: int, job_id: str, rank: int) -> dict[str, Any] | None:

@@ -79,9 +79,10 @@ ENGINE 17        {} -> name, stats {the engine's counters} (one engine serves ev
 SPACE 18         {} -> files [path], used_bytes, capacity_bytes
 JOB_STEP 19      step int (the engine's step count), step_seconds float, io_wait_seconds float,
                  read_bytes int, write_bytes int, skipped_steps int (each since the session's last
-                 JOB_STEP: one optimizer step's figures), loss_scale float -> labelled bool (false: the
-                 job is beyond the daemon's [metrics] max_jobs and only counted; see daemon.jobs).
-                 Since version 3.
+                 JOB_STEP: one optimizer step's figures), loss_scale float, closing bool (optional:
+                 true for the engine's last report at close, which carries the bytes of its last
+                 transfers and is no step) -> labelled bool (false: the job is beyond the daemon's
+                 [metrics] max_jobs and only counted; see daemon.jobs). Since version 3.
 
 All integers are JSON numbers (exact up to 2**53) and range-checked (``FIELD_RANGES``);
 names are UTF-8 strings.
@@ -189,6 +190,7 @@ REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
 # Optional request fields per kind (checked like the required ones when present).
 OPTIONAL_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.HELLO: {"token": (str,)},
+    Kind.JOB_STEP: {"closing": (bool,)},
 }
 
 _I63 = (1 << 63) - 1

@@ -348,6 +348,8 @@ class Engine:
             self.tier.close(keep_session=True)
             return
         self.adam.storage.close()
+        if self.reporter is not None:
+            self.reporter.report(self, closing=True)  # the bytes of the transfers that settled in close
         if self.tier is not None:
             self.tier.close()
 

@@ -8,7 +8,10 @@ loss scale. The daemon adds them up per job and rank (``daemon.jobs``). Embedded
 reporter: nothing is sent and nothing is measured.
 
 What is reported is the difference of the engine's own totals (``Engine.offload_stats``), so the
-daemon's counters equal them: a fresh session starts every total at zero; a resumed one starts
+daemon's counters equal them. The evicts of a step's last sub-groups finish after the step (while
+the next forward runs), so their bytes come with the next report; ``Engine.close`` sends a last,
+*closing* report once every transfer has settled, and from then on the daemon holds exactly what
+the session moved. Where the totals start: a fresh session starts every total at zero; a resumed one starts
 the bytes at what the session's store has moved so far (the daemon counted those already, bar
 the steps after the last report of the process that died) and the step time and I/O wait at
 zero (they belong to the process). A report the daemon refuses (an older daemon without JOB_STEP,
@@ -42,10 +45,19 @@ class StepReporter:
         """Reports the daemon accepted."""
         self.enabled = True
 
-    def report(self, engine: Any) -> None:
-        """After an optimizer step of ``engine``: one JOB_STEP with what changed since the last one."""
+    def report(self, engine: Any, *, closing: bool = False) -> None:
+        """After an optimizer step of ``engine``: one JOB_STEP with what changed since the last one.
+        ``closing``: at close, once every transfer is settled: the bytes moved since, and no step."""
         if not self.enabled:
             return
+        try:
+            self._send(engine, closing)
+        except (OffloadError, ValueError) as exc:
+            self.enabled = False
+            logger.warning("rank %d: the daemon refused the step report (%s); no more reports from this rank",
+                           engine.global_rank, exc)
+
+    def _send(self, engine: Any, closing: bool) -> None:
         stats = self._client.stats()
         step_seconds, io_wait = engine.step_seconds, engine.adam.storage.io_wait_seconds
         figures = {
@@ -57,14 +69,10 @@ class StepReporter:
             "skipped_steps": max(0, engine.skipped_steps - self._skipped),
             "loss_scale": float(engine.scaler.scale),
         }
-        try:
-            self._client.job_step(**figures)
-        except (OffloadError, ValueError) as exc:
-            self.enabled = False
-            logger.warning("rank %d: the daemon refused the step report (%s); no more reports from this rank",
-                           engine.global_rank, exc)
-            return
-        self.reports += 1
+        if closing:
+            figures["closing"] = True
+        self._client.job_step(**figures)
+        self.reports += 0 if closing else 1
         self._step_seconds, self._io_wait_seconds = step_seconds, io_wait
         self._read, self._written = stats.bytes_read_total, stats.bytes_written_total
         self._skipped = engine.skipped_steps

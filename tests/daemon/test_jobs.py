@@ -162,3 +162,22 @@ def test_a_finished_jobs_series_go_after_the_grace_and_a_running_jobs_stay(daemo
     assert got[("offload_job_step", labels("running", 0))] == 5 and got[("offload_jobs", ())] == 1
     assert [s["job_id"] for s in d.status()["sessions"]] == ["running"]
     running.close()
+
+
+def test_hello_takes_the_versions_the_daemon_speaks(daemon_factory):
+    from daemon.protocol import MIN_PROTOCOL_VERSION
+
+    d = daemon_factory()
+    for version in (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION):
+        conn = DaemonConnection(d.socket_path, 20)
+        reply, fds = conn.request(Kind.HELLO, {"version": version, "job_id": f"v{version}", "rank": 0,
+                                               "quota_bytes": 0})
+        for fd in fds:
+            os.close(fd)
+        assert reply["version"] == PROTOCOL_VERSION
+        conn.close()
+    conn = DaemonConnection(d.socket_path, 20)
+    with pytest.raises(ProtocolError, match=f"protocol version 1 not spoken here .*{MIN_PROTOCOL_VERSION} to "
+                                            f"{PROTOCOL_VERSION}"):
+        conn.request(Kind.HELLO, {"version": 1, "job_id": "old", "rank": 0, "quota_bytes": 0})
+    conn.close()

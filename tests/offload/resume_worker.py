@@ -65,6 +65,7 @@ def main() -> int:
             engine.step()
             if every and (step + 1) % every == 0:
                 engine.save_checkpoint(ckpt_dir)
+    engine.adam.storage.drain()  # the last step's evicts: nothing moves after this (close reports it too)
     stats = engine.offload_stats()
     torch.save({"params": [p.detach().clone() for p in net.parameters()], "resumed_step": engine.resumed_step,
                 "global_steps": engine.global_steps, "bytes_read_total": stats.bytes_read_total,

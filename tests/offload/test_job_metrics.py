@@ -61,6 +61,11 @@ def _same_as(reference, workdir):
             assert torch.equal(p, q)
 
 
+def _key(job: str, rank: int, **extra: str) -> tuple:
+    """A series' labels as ``scrape`` keys them."""
+    return tuple(sorted({"uid": str(os.getuid()), "job": job, "rank": str(rank), **extra}.items()))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same two ranks on embedded stores, alone and uninterrupted."""
@@ -142,6 +147,58 @@ def test_two_jobs_at_once_equal_their_runs_alone_and_a_crash_of_one_leaves_the_o
     assert after["sessions"] == []
     for job in ("job-a", "job-b"):  # the restarted ranks of job a go on with their counters
         for r in range(RANKS):
-            key = tuple(sorted({"uid": str(os.getuid()), "job": job, "rank": str(r)}.items()))
+            key = _key(job, r)
             assert series[("offload_job_step", key)] == STEPS
             assert series[("offload_job_steps_total", key)] == STEPS
+
+
+def test_one_rank_reports_every_step_and_a_refused_report_never_stops_training(tmp_path, monkeypatch, caplog):
+    from csrc.errors import ProtocolError
+    from offload import initialize
+    from tests.offload import ckpt_worker
+
+    daemon = start_daemon(sessions={"default_quota_bytes": 8 << 20, "reattach_grace_seconds": 60.0})
+    batches = ckpt_worker.batches(8)
+
+    def train(engine, some):
+        for x, y in some:
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    try:
+        config = ckpt_worker.config("nvme", str(tmp_path), stage=2)
+        embedded, _, _, _ = initialize(model=ckpt_worker.model(), config=config)
+        assert embedded.reporter is None  # embedded stores: nothing is reported
+        embedded.close()
+        config["offload"] = {"job_id": "one-rank", "daemon_socket": daemon.socket_path}
+        engine, _, _, _ = initialize(model=ckpt_worker.model(), config=config)
+        train(engine, batches[:5])
+        row = daemon.status()["sessions"][0]["training"]
+        assert engine.reporter.reports == 5 and row["step"] == 5 and row["steps_total"] == 5
+        assert row["read_bytes_total"] == engine.offload_stats().bytes_read_total > 0
+        engine.adam.storage.drain()  # the last step's evicts: after them nothing moves
+        stats = engine.offload_stats()
+        assert row["write_bytes_total"] <= stats.bytes_written_total  # the last evicts come with the next report
+        engine.close()  # its closing report carries them
+        got = scrape(daemon.metrics_port)
+        key = _key("one-rank", 0)
+        assert got[("offload_job_steps_total", key)] == 5 and got[("offload_job_step", key)] == 5
+        assert got[("offload_job_bytes_total", _key("one-rank", 0, direction="read"))] == stats.bytes_read_total
+        assert got[("offload_job_bytes_total", _key("one-rank", 0, direction="write"))] == stats.bytes_written_total
+        assert got[("offload_job_step_seconds_total", key)] == pytest.approx(stats.step_seconds_total)
+        assert got[("offload_job_io_wait_seconds_total", key)] == pytest.approx(stats.io_wait_seconds_total)
+
+        config["offload"]["job_id"] = "refused"
+        engine, _, _, _ = initialize(model=ckpt_worker.model(), config=config)
+        train(engine, batches[:2])
+
+        def refuse(**figures):  # as a daemon that does not know JOB_STEP answers
+            raise ProtocolError("unknown message kind 19")
+        monkeypatch.setattr(engine.reporter._client, "job_step", refuse)
+        train(engine, batches[2:])
+        assert engine.global_steps == 8 and not engine.reporter.enabled and engine.reporter.reports == 2
+        assert sum("refused the step report" in r.getMessage() for r in caplog.records) == 1
+        assert daemon.status()["sessions"][0]["training"]["step"] == 2
+        engine.close()
+        assert daemon.status()["sessions"] == []
+    finally:
+        daemon.stop()
