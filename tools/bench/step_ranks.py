@@ -118,13 +118,17 @@ def _rank_main(args: argparse.Namespace) -> int:
 
 # -- the driver --------------------------------------------------------------------------------
 
+SEGMENT_BYTES = 64 << 20
+"""The daemon's pool segments: a region must fit in one, and a state block is up to 48 MiB."""
+
+
 def _start_daemon(workdir: str, pool_bytes: int, swap_bytes: int, checksum: bool) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(workdir, "d.sock")
     swap_dir = os.path.join(workdir, "daemon-swap")
     os.makedirs(swap_dir)
     Path(workdir, "node.toml").write_text(
-        f'[server]\nsocket_path = "{sock}"\n[pool]\ncapacity_bytes = {pool_bytes}\nsegment_bytes = {4 << 20}\n'
-        f'[sessions]\ndefault_quota_bytes = {4 << 20}\nmax_quota_bytes = {pool_bytes}\n'
+        f'[server]\nsocket_path = "{sock}"\n[pool]\ncapacity_bytes = {pool_bytes}\nsegment_bytes = {SEGMENT_BYTES}\n'
+        f'[sessions]\ndefault_quota_bytes = {SEGMENT_BYTES}\nmax_quota_bytes = {pool_bytes}\n'
         f'[swap]\npaths = ["{swap_dir}"]\ncapacity_bytes = {swap_bytes}\n'
         f'[store]\nchecksum = "{"crc32c" if checksum else "none"}"\n[metrics]\naddress = ""\n')
     log = open(os.path.join(workdir, "daemon.log"), "wb")
@@ -146,7 +150,8 @@ def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq:
     # Per rank in host memory: its fp32 grads, buffer_count state blocks (sub-groups of at most 4 Mi
     # elements when offloaded: 48 MiB each) and the commit region; the states go to swap.
     per_rank = 4 * n_params // ranks + buffer_count * 12 * (4 << 20) + (16 << 20)
-    daemon, sock = _start_daemon(workdir, pool_bytes=-(-ranks * per_rank // (4 << 20)) * (4 << 20),
+    per_rank = -(-per_rank // SEGMENT_BYTES) * SEGMENT_BYTES  # quotas are whole segments
+    daemon, sock = _start_daemon(workdir, pool_bytes=ranks * per_rank + SEGMENT_BYTES,
                                  swap_bytes=2 * 12 * n_params, checksum=not nocrc)
     result = os.path.join(workdir, "result.json")
     worker = [str(Path(__file__).resolve()), "--worker", "--socket", sock, "--result", result, "--nvme-path", workdir,
