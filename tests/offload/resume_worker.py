@@ -16,6 +16,16 @@ from offload import StateTornError, initialize
 from tests.offload import ckpt_worker
 
 
+def read_losses(workdir, rank: int, steps: int) -> list[float]:
+    """The last loss a rank logged for each step (a resumed run logs some steps again)."""
+    out = {}
+    with open(os.path.join(workdir, f"losses-rank{rank}.txt")) as f:
+        for line in f:
+            step, loss = line.split()
+            out[int(step)] = float(loss)
+    return [out[s] for s in range(steps)]
+
+
 def main() -> int:
     device, workdir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config = ckpt_worker.config(device, workdir, stage=int(os.environ.get("STAGE", "2")))

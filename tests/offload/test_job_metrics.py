@@ -16,6 +16,7 @@ import torch
 
 from tests.daemon.conftest import STORE, start_daemon
 from tests.daemon.prom import needs_prometheus, prometheus, scrape
+from tests.offload.resume_worker import read_losses
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
 
@@ -42,12 +43,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
 
 
 def _losses(workdir, rank):
-    out = {}
-    with open(os.path.join(workdir, f"losses-rank{rank}.txt")) as f:
-        for line in f:
-            step, loss = line.split()
-            out[int(step)] = float(loss)
-    return [out[s] for s in range(STEPS)]
+    return read_losses(workdir, rank, STEPS)
 
 
 def _final(workdir, rank):

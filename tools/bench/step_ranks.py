@@ -41,6 +41,8 @@ from bench_adam import cpu_description as _cpu_model  # noqa: E402
 from bench_step import GPT, _fmt, _load, engine_config  # noqa: E402
 
 JOB_ID = "bench-step-ranks"
+MODEL_DEFAULTS = {"batch": 2, "seq": 128, "vocab": 16384, "dim": 768, "layers": 12, "heads": 12}
+"""bench_step's model and batch (a ~100M GPT, batch 2 x 128 per rank)."""
 
 
 # -- one rank (under torchrun) ----------------------------------------------------------------
@@ -204,12 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
+    for name, default in MODEL_DEFAULTS.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--nocrc", action="store_true", help="no checksums (on both sides)")
     ap.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temporary one)")
