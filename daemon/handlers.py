@@ -148,7 +148,8 @@ class Handlers:
     def job_step(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
         """One optimizer step's figures for the per-job series (daemon.jobs); the fields are checked already."""
         labelled = self.metrics.jobs.report(s.owner_uid, s.job_id, s.rank, body)
-        self.metrics.optimizer_step_seconds.observe(body["step_seconds"])
+        if not body.get("closing"):
+            self.metrics.optimizer_step_seconds.observe(body["step_seconds"])
         return {"labelled": labelled}
 
     def ping(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
