@@ -120,8 +120,9 @@ def _rank_main(args: argparse.Namespace) -> int:
 
 # -- the driver --------------------------------------------------------------------------------
 
-SEGMENT_BYTES = 64 << 20
-"""The daemon's pool segments: a region must fit in one, and a state block is up to 48 MiB."""
+SEGMENT_BYTES = 256 << 20
+"""The daemon's pool segments (its default): a region must fit in one (a state block is up to 48 MiB),
+and with segments of 64 MiB the grads and blocks of a 100M model's quota no longer pack into them."""
 
 
 def _start_daemon(workdir: str, pool_bytes: int, swap_bytes: int, checksum: bool) -> tuple[subprocess.Popen, str]:
