@@ -125,7 +125,8 @@ SEGMENT_BYTES = 256 << 20
 and with segments of 64 MiB the grads and blocks of a 100M model's quota no longer pack into them."""
 
 
-def _start_daemon(workdir: str, pool_bytes: int, swap_bytes: int, checksum: bool) -> tuple[subprocess.Popen, str]:
+def _start_daemon(workdir: str, pool_bytes: int, swap_bytes: int, checksum: bool,
+                  inflight: int) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(workdir, "d.sock")
     swap_dir = os.path.join(workdir, "daemon-swap")
     os.makedirs(swap_dir)
@@ -133,7 +134,9 @@ def _start_daemon(workdir: str, pool_bytes: int, swap_bytes: int, checksum: bool
         f'[server]\nsocket_path = "{sock}"\n[pool]\ncapacity_bytes = {pool_bytes}\nsegment_bytes = {SEGMENT_BYTES}\n'
         f'[sessions]\ndefault_quota_bytes = {SEGMENT_BYTES}\nmax_quota_bytes = {pool_bytes}\n'
         f'[swap]\npaths = ["{swap_dir}"]\ncapacity_bytes = {swap_bytes}\n'
-        f'[store]\nchecksum = "{"crc32c" if checksum else "none"}"\n[metrics]\naddress = ""\n')
+        f'[store]\nchecksum = "{"crc32c" if checksum else "none"}"\n[metrics]\naddress = ""\n'
+        + (f'[scheduler]\nmax_inflight_jobs_per_session = {inflight}\nmax_inflight_jobs = {4 * inflight}\n'
+           if inflight else ""))
     log = open(os.path.join(workdir, "daemon.log"), "wb")
     proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "daemon", "--config", os.path.join(workdir, "node.toml")],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -146,7 +149,8 @@ def _start_daemon(workdir: str, pool_bytes: int, swap_bytes: int, checksum: bool
 
 
 def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq: int, vocab: int, dim: int,
-              layers: int, heads: int, buffer_count: int, nocrc: bool, nvme_path: str | None) -> list[str]:
+              layers: int, heads: int, buffer_count: int, nocrc: bool, nvme_path: str | None,
+              inflight: int = 0) -> list[str]:
     """Run the ranks row and return its markdown lines."""
     workdir = tempfile.mkdtemp(prefix="bench-ranks-", dir=nvme_path)
     n_params = sum(p.numel() for p in GPT(vocab, seq, dim, layers, heads).parameters())
@@ -155,7 +159,7 @@ def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq:
     per_rank = 4 * n_params // ranks + buffer_count * 12 * (4 << 20) + (16 << 20)
     per_rank = -(-per_rank // SEGMENT_BYTES) * SEGMENT_BYTES  # quotas are whole segments
     daemon, sock = _start_daemon(workdir, pool_bytes=ranks * per_rank + SEGMENT_BYTES,
-                                 swap_bytes=2 * 12 * n_params, checksum=not nocrc)
+                                 swap_bytes=2 * 12 * n_params, checksum=not nocrc, inflight=inflight)
     result = os.path.join(workdir, "result.json")
     worker = [str(Path(__file__).resolve()), "--worker", "--socket", sock, "--result", result, "--nvme-path", workdir,
               "--rounds", str(rounds), "--steps-per-round", str(steps_per_round), "--batch", str(batch),
@@ -183,7 +187,8 @@ def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq:
         "",
         f"- {ranks} ranks under `torchrun --standalone` (gloo, 1 torch thread each), ZeRO stage 1, GPT "
         f"{out['n_params'] / 1e6:.1f}M params, batch {batch} x seq {seq} per rank, buffer_count {buffer_count}, "
-        f"checksums {crc} on both sides; {rounds} rounds x 2 contenders x {steps_per_round} steps (first not "
+        f"checksums {crc} on both sides; daemon [scheduler] "
+        f"{f'max_inflight_jobs_per_session {inflight}' if inflight else 'defaults'}; {rounds} rounds x 2 contenders x {steps_per_round} steps (first not "
         "measured), order alternating; a step's time is the slowest rank's",
         "- tiers: " + "; ".join(f"{n}: {t}" for n, t in out["tiers"].items()),
         "",
@@ -211,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--buffer-count", type=int, default=4)
     ap.add_argument("--nocrc", action="store_true", help="no checksums (on both sides)")
+    ap.add_argument("--daemon-inflight", type=int, default=0,
+                    help="the daemon's [scheduler] max_inflight_jobs_per_session (and 4x it in all); 0: its default")
     ap.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temporary one)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     args = ap.parse_args(argv)
@@ -223,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
              ""]
     lines += ranks_row(ranks=args.ranks, rounds=args.rounds, steps_per_round=args.steps_per_round, batch=args.batch,
                        seq=args.seq, vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
-                       buffer_count=args.buffer_count, nocrc=args.nocrc, nvme_path=args.nvme_path)
+                       buffer_count=args.buffer_count, nocrc=args.nocrc, nvme_path=args.nvme_path,
+                       inflight=args.daemon_inflight)
     report = "\n".join(lines)
     print(report)
     if args.out:
