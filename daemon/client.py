@@ -307,6 +307,8 @@ class TierClient:
         self.session_id: int = reply["session_id"]
         self.reattached: bool = reply["reattached"]
         self.quota_bytes: int = reply["quota_bytes"]
+        self.segment_bytes: int = max((s["nbytes"] for s in reply["segments"]), default=0)
+        """The largest of the session's segments: no region can be longer, nor span two."""
         self._idle_check_seconds = float(reply.get("idle_timeout_seconds") or 0) / 2
         self._regions: dict[str, Any] = {}  # placements of host copies, asked for when first viewed
         self._stale: set[str] = set()

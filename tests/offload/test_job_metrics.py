@@ -199,3 +199,31 @@ def test_one_rank_reports_every_step_and_a_refused_report_never_stops_training(t
         assert daemon.status()["sessions"] == []
     finally:
         daemon.stop()
+
+
+def test_a_quota_that_packs_into_the_daemons_segments(tmp_path):
+    """Regions never span the daemon's segments: 1 MiB grads and 3 MiB state blocks in 4 MiB segments
+    leave holes that the resident bytes alone do not count; the engine asks for a quota that packs."""
+    from offload import initialize
+
+    daemon = start_daemon(pool={"capacity_bytes": 128 << 20, "segment_bytes": 4 << 20},
+                          sessions={"default_quota_bytes": 4 << 20})
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(1024, 1536, bias=False)  # 6 sub-groups of 256 Ki elements
+        config = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": 1, "sub_group_size": 1 << 18, "offload_optimizer": {
+                      "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4}},
+                  "offload": {"job_id": "packing", "daemon_socket": daemon.socket_path}}
+        engine, _, _, _ = initialize(model=net, config=config)
+        for _ in range(3):
+            engine.backward(net(torch.randn(4, 1024)).square().mean())
+            engine.step()
+        assert engine.global_steps == 3
+        quota = daemon.status()["sessions"][0]["quota_bytes"]
+        # 6 grads + 4 blocks + the commit region are 18.25 MiB: 5 segments failed; with room for one
+        # 3 MiB region in every 4 MiB segment it is 19 segments
+        assert quota == 19 * (4 << 20)
+        engine.close()
+    finally:
+        daemon.stop()
