@@ -307,6 +307,8 @@ class TierClient:
         self.session_id: int = reply["session_id"]
         self.reattached: bool = reply["reattached"]
         self.quota_bytes: int = reply["quota_bytes"]
+        self.segment_bytes: int = max((s["nbytes"] for s in reply["segments"]), default=0)
+        """The largest of the session's segments: no region can be longer, nor span two."""
         self._idle_check_seconds = float(reply.get("idle_timeout_seconds") or 0) / 2
         self._regions: dict[str, Any] = {}  # placements of host copies, asked for when first viewed
         self._stale: set[str] = set()
@@ -459,6 +461,19 @@ class TierClient:
     def report_step(self, seconds: float) -> None:
         """Tell the daemon how long an optimizer step took (for its metrics)."""
         self._request(Kind.REPORT_STEP, {"seconds": float(seconds)})
+
+    def job_step(self, *, step: int, step_seconds: float, io_wait_seconds: float, read_bytes: int,
+                 write_bytes: int, skipped_steps: int, loss_scale: float, closing: bool = False) -> bool:
+        """One optimizer step's figures for the daemon's per-job series (JOB_STEP; ``closing``: the last
+        report, at close, which is no step); False when the daemon only counted them (the job is beyond
+        its [metrics] max_jobs)."""
+        body = {"step": int(step), "step_seconds": float(step_seconds), "io_wait_seconds": float(io_wait_seconds),
+                "read_bytes": int(read_bytes), "write_bytes": int(write_bytes), "skipped_steps": int(skipped_steps),
+                "loss_scale": float(loss_scale)}
+        if closing:
+            body["closing"] = True
+        reply = self._request(Kind.JOB_STEP, body)
+        return bool(reply.get("labelled", False))
 
     def ping(self) -> None:
         self._request(Kind.PING)

@@ -240,9 +240,13 @@ class MetricsConfig:
     """Longest a scrape connection may take from accept to the last byte of its reply."""
     stall_seconds: float = 10.0
     """/healthz answers 503 when the daemon's event loop has not run for this long."""
+    max_jobs: int = 64
+    """Jobs with per-job series (offload_job_*) at once; reports of further jobs are only counted
+    (offload_job_reports_over_cap_total). See [Note: bounded job labels] in daemon.jobs."""
 
     def __post_init__(self) -> None:
         _integers(self, 1, 1024, "max_connections")
+        _integers(self, 0, 1 << 20, "max_jobs")
         _positive(self, "timeout_seconds", "stall_seconds")
         if self.address:
             host, sep, port = self.address.rpartition(":")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from csrc.errors import OffloadError, ProtocolError, QuotaExceededError, SessionError
 from daemon.handlers import PEER_KINDS, SYNC_KINDS, needs_session, no_session_error
-from daemon.protocol import PROTOCOL_VERSION, Flag, Frame, FrameDecoder, Kind, check_fields, decode_body, \
+from daemon.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, Flag, Frame, FrameDecoder, Kind, check_fields, decode_body, \
     encode_frame, error_body
 from daemon.sessions import Session
 from daemon.shm import send_with_fds
@@ -250,8 +250,9 @@ class Connection(asyncio.Protocol):
 
     async def hello(self, frame: Frame, body: dict[str, Any], t0: float) -> None:
         try:
-            if body["version"] != PROTOCOL_VERSION:
-                raise ProtocolError(f"protocol version {body['version']} not spoken here (daemon speaks {PROTOCOL_VERSION})")
+            if not MIN_PROTOCOL_VERSION <= body["version"] <= PROTOCOL_VERSION:
+                raise ProtocolError(f"protocol version {body['version']} not spoken here (daemon speaks "
+                                    f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION})")
             session, reattached = await self.server.sessions.attach(
                 body["job_id"], body["rank"], body["quota_bytes"], self.uid, body.get("token", ""))
         except (OffloadError, ValueError, OSError) as exc:

@@ -1,7 +1,7 @@
 """What the daemon does for each request kind (the protocol is in ``daemon.protocol``).
 
 [Note: what runs on the loop] Bookkeeping verbs (ALLOCATE, MARK_DIRTY, REGION, STATS,
-PING, REPORT_STEP, PLACEMENTS, ENGINE, SPACE, and the submit half of PREFETCH
+PING, REPORT_STEP, JOB_STEP, PLACEMENTS, ENGINE, SPACE, and the submit half of PREFETCH
 and EVICT) are answered inline from the event loop: the store defines them as
 in-memory operations under its lock, which no transfer holds for long, and a thread
 hop would double the small-request round trip. Everything that waits on I/O runs on
@@ -46,7 +46,7 @@ __all__ = ["Handlers", "SYNC_KINDS", "PEER_KINDS", "needs_session", "no_session_
 
 SYNC_KINDS = frozenset(
     {Kind.ALLOCATE, Kind.MARK_DIRTY, Kind.REGION, Kind.PREFETCH, Kind.EVICT, Kind.STATS, Kind.REPORT_STEP,
-     Kind.PING, Kind.PLACEMENTS, Kind.ENGINE, Kind.SPACE}
+     Kind.JOB_STEP, Kind.PING, Kind.PLACEMENTS, Kind.ENGINE, Kind.SPACE}
 )
 """Kinds answered inline on the loop; the rest run as tasks (see the note)."""
 
@@ -145,6 +145,13 @@ class Handlers:
         self.metrics.optimizer_step_seconds.observe(seconds)
         return {}
 
+    def job_step(self, s: Session, body: dict[str, Any]) -> dict[str, Any]:
+        """One optimizer step's figures for the per-job series (daemon.jobs); the fields are checked already."""
+        labelled = self.metrics.jobs.report(s.owner_uid, s.job_id, s.rank, body)
+        if not body.get("closing"):
+            self.metrics.optimizer_step_seconds.observe(body["step_seconds"])
+        return {"labelled": labelled}
+
     def ping(self, s: Session | None, body: dict[str, Any]) -> dict[str, Any]:
         return {}
 
@@ -196,6 +203,8 @@ class Handlers:
             future = self._status_next
         snap = await asyncio.shield(future)
         rows = snap["rows"] if uid == PRIVILEGED_UID else [r for r in snap["rows"] if r["uid"] == uid]
+        jobs = self.metrics.jobs
+        rows = [{**r, "training": jobs.rank_status(r["uid"], r["job_id"], r["rank"])} for r in rows]
         bandwidth = {d: (self.bytes_moved[d] / self.busy_seconds[d] if self.busy_seconds[d] else 0.0)
                      for d in self.bytes_moved}
         return {"version": PROTOCOL_VERSION, "engine": self.backend.engine_name,
@@ -326,7 +335,7 @@ class Handlers:
             Kind.EVICT: self.evict, Kind.WAIT_EVICT: self.wait_evict, Kind.FLUSH: self.flush,
             Kind.STATS: self.stats, Kind.REPORT_STEP: self.report_step, Kind.PING: self.ping,
             Kind.STATUS: self.status, Kind.BYE: self.bye, Kind.PLACEMENTS: self.placements,
-            Kind.ENGINE: self.engine, Kind.SPACE: self.space,
+            Kind.ENGINE: self.engine, Kind.SPACE: self.space, Kind.JOB_STEP: self.job_step,
         }
 
 

@@ -20,6 +20,8 @@ offload_sessions                                  gauge      state (attached|det
 offload_errors_total                              counter    kind (error class name)
 offload_optimizer_step_seconds                    histogram  (none): reported by clients
 offload_session_host_bytes                        gauge      uid, job, rank: the session's quota
+offload_job_* (step, steps, seconds, bytes...)    various    uid, job, rank: reported by engines per step
+                                                             (``daemon.jobs``: at most [metrics] max_jobs jobs)
 offload_build_info                                gauge      version, python, protocol (always 1)
 process_* (cpu, memory, open fds, start time)      various    the standard process collector
 ================================================  =========  ==========================================
@@ -48,7 +50,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import GaugeMetricFamily
 
 from csrc.errors import ConfigError
-from daemon.config import MetricsConfig
+from daemon.config import MetricsConfig, SessionConfig
+from daemon.jobs import JobTable
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +155,9 @@ class DaemonMetrics:
         from daemon.protocol import PROTOCOL_VERSION
         build.labels(BUILD_VERSION, sys.version.split()[0], str(PROTOCOL_VERSION)).set(1)
         ProcessCollector(registry=r)
+        self.jobs = JobTable(max_jobs=MetricsConfig().max_jobs, grace_seconds=SessionConfig().reattach_grace_seconds)
+        """Per-job series (the server sets its cap and grace from the config)."""
+        r.register(self.jobs)
         self._live = _LiveCollector()
         r.register(self._live)
         for direction in ("read", "write"):

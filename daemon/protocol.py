@@ -19,8 +19,10 @@ Frame layout (little-endian, 16-byte header, then the body)::
 Rules
 -----
 * The first request on a connection is HELLO (PING, STATUS, ENGINE and SPACE need no
-  session). Its body carries ``version``; a version the daemon does not speak gets an
-  error reply and the connection is closed. One session per connection. A connection
+  session). Its body carries ``version``; a version the daemon does not speak (outside
+  ``MIN_PROTOCOL_VERSION`` .. ``PROTOCOL_VERSION``) gets an error reply and the connection
+  is closed. Versions only add kinds and optional fields, so the daemon serves older
+  clients as they are. One session per connection. A connection
   that has opened no session within the daemon's ``hello_timeout_seconds`` is closed.
 * A connection the daemon will not keep (a connection cap reached) gets one error frame
   with kind 0 and request_id 0, naming the cap, and is closed.
@@ -75,6 +77,12 @@ BYE 15           {} -> {}; the session is closed now (memory and extents freed)
 PLACEMENTS 16    name -> placements [[file_index, file_offset, region_offset, nbytes]]
 ENGINE 17        {} -> name, stats {the engine's counters} (one engine serves every session)
 SPACE 18         {} -> files [path], used_bytes, capacity_bytes
+JOB_STEP 19      step int (the engine's step count), step_seconds float, io_wait_seconds float,
+                 read_bytes int, write_bytes int, skipped_steps int (each since the session's last
+                 JOB_STEP: one optimizer step's figures), loss_scale float, closing bool (optional:
+                 true for the engine's last report at close, which carries the bytes of its last
+                 transfers and is no step) -> labelled bool (false: the job is beyond the daemon's
+                 [metrics] max_jobs and only counted; see daemon.jobs). Since version 3.
 
 All integers are JSON numbers (exact up to 2**53) and range-checked (``FIELD_RANGES``);
 names are UTF-8 strings.
@@ -93,6 +101,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "MIN_PROTOCOL_VERSION",
     "HEADER",
     "Kind",
     "Flag",
@@ -105,8 +114,11 @@ __all__ = [
     "MAX_JSON_DEPTH",
 ]
 
-PROTOCOL_VERSION = 2
-"""2: HELLO takes and returns a reattach token; connection-level error frames (request_id 0)."""
+PROTOCOL_VERSION = 3
+"""2: HELLO takes and returns a reattach token; connection-level error frames (request_id 0).
+3: JOB_STEP, an engine's per-step figures for the per-job metrics."""
+MIN_PROTOCOL_VERSION = 2
+"""The oldest version a HELLO may name (an older client never sends the newer kinds)."""
 MAX_JSON_DEPTH = 8
 """No request body nests deeper than 3; a deeper one is refused before it is parsed."""
 HEADER = struct.Struct("<IHHQ")
@@ -132,6 +144,7 @@ class Kind(enum.IntEnum):
     PLACEMENTS = 16
     ENGINE = 17
     SPACE = 18
+    JOB_STEP = 19
 
 
 class Flag(enum.IntFlag):
@@ -169,12 +182,15 @@ REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PLACEMENTS: {"name": (str,)},
     Kind.ENGINE: {},
     Kind.SPACE: {},
+    Kind.JOB_STEP: {"step": (int,), "step_seconds": (int, float), "io_wait_seconds": (int, float),
+                    "read_bytes": (int,), "write_bytes": (int,), "skipped_steps": (int,), "loss_scale": (int, float)},
 }
 
 
 # Optional request fields per kind (checked like the required ones when present).
 OPTIONAL_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.HELLO: {"token": (str,)},
+    Kind.JOB_STEP: {"closing": (bool,)},
 }
 
 _I63 = (1 << 63) - 1
@@ -186,6 +202,13 @@ FIELD_RANGES: dict[str, tuple[float, float]] = {
     "handle": (0, _I63),
     "timeout_seconds": (0, 1e9),
     "seconds": (0, 1e9),
+    "step": (0, 1 << 53),
+    "step_seconds": (0, 86400),
+    "io_wait_seconds": (0, 86400),
+    "read_bytes": (0, 1 << 53),
+    "write_bytes": (0, 1 << 53),
+    "skipped_steps": (0, 1 << 32),
+    "loss_scale": (0, 1e39),
 }
 """Inclusive bounds of numeric request fields, wherever they appear (null stays allowed where typed so)."""
 

@@ -89,6 +89,8 @@ class DaemonServer:
         self.handler_table: dict[int, Any] = {}
         # Labelled children looked up once: labels() costs more than the observation.
         self.request_seconds = {int(k): self.metrics.request_seconds.labels(kind=k.name) for k in Kind}
+        self.metrics.jobs.max_jobs = config.metrics.max_jobs
+        self.metrics.jobs.grace_seconds = config.sessions.reattach_grace_seconds
         self.metrics_port: int | None = None
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this daemon bound
@@ -112,11 +114,13 @@ class DaemonServer:
         labels = (str(session.owner_uid), session.job_id, str(session.rank))
         if event == "attach":
             m.session_host_bytes.labels(*labels).set(session.quota_bytes)
+            m.jobs.attached(session.owner_uid, session.job_id, session.session_id)
         elif event == "reclaim":
             try:
                 m.session_host_bytes.remove(*labels)
             except KeyError:
                 pass
+            m.jobs.reclaimed(session.owner_uid, session.job_id, session.session_id, session.detached_at)
 
     # -- start ------------------------------------------------------------------------
     def _clear_stale_socket(self) -> None:

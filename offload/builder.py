@@ -24,6 +24,7 @@ from offload.config import EngineConfig, OffloadDevice, read_config, resolve_dae
 from offload.engine import Engine, RankInfo
 from offload.meta_init import init_fn_of
 from offload.precision import LossScaler, LossScalerConfig
+from offload.report import reporter_for
 from offload.resume import FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
 from offload.schedulers import build_scheduler
 from offload.tiers import Tier, open_tier, plan_bytes
@@ -291,6 +292,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             engine.resumed_step = engine.global_steps
             logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded)",
                            ranks.rank, engine.global_steps, time.perf_counter() - t0)
+        engine.reporter = reporter_for(tier, skipped_steps=engine.skipped_steps, resumed=verdict == RESUME)
     except BaseException:
         if tier is not None:
             tier.close()

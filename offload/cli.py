@@ -103,7 +103,35 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
     if len(rows) == 1:
         lines.append("(no sessions)")
+    lines += format_jobs(status["sessions"])
     return "\n".join(lines)
+
+
+def format_jobs(sessions: list[dict[str, Any]]) -> list[str]:
+    """Jobs and their ranks: memory, tier use and step rate (from the ranks' JOB_STEP reports)."""
+    jobs: dict[tuple[Any, str], list[dict[str, Any]]] = {}
+    for s in sessions:
+        jobs.setdefault((s.get("uid", "-"), str(s["job_id"])), []).append(s)
+    if not jobs:
+        return []
+    out = ["", "jobs"]
+    for (uid, job_id), ranks in sorted(jobs.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        training = [r.get("training") or {} for r in ranks]
+        held = sum(r.get("stats", {}).get("host_pool_used_bytes", 0) for r in ranks)
+        nvme = sum(r.get("stats", {}).get("nvme_bytes", 0) for r in ranks)
+        rate = sum(t.get("steps_per_second", 0.0) for t in training)
+        out.append(f"  {escape(job_id)} (uid {uid}): {len(ranks)} rank{'s' if len(ranks) != 1 else ''}, host "
+                   f"{format_bytes(held)} of {format_bytes(sum(r['quota_bytes'] for r in ranks))} quota, nvme "
+                   f"{format_bytes(nvme)}, {rate:.2f} steps/s in all")
+        for r, t in sorted(zip(ranks, training), key=lambda rt: rt[0]["rank"]):
+            stats = r.get("stats", {})
+            step = (f"step {t['step']}, {t['steps_per_second']:.2f} steps/s, {t['mean_step_seconds']:.3f} s/step, "
+                    f"I/O wait {t['io_wait_seconds_total']:.1f} s, moved read {format_bytes(t['read_bytes_total'])} "
+                    f"write {format_bytes(t['write_bytes_total'])}, loss scale {t['loss_scale']:g}") if t else "no steps reported"
+            out.append(f"    rank {r['rank']} {escape(str(r['state']))}: host "
+                       f"{format_bytes(stats.get('host_pool_used_bytes', 0))} of {format_bytes(r['quota_bytes'])}, "
+                       f"nvme {format_bytes(stats.get('nvme_bytes', 0))}; {step}")
+    return out
 
 
 def _status(args: argparse.Namespace) -> int:

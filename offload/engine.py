@@ -111,6 +111,7 @@ class Engine:
         self.client_state: dict[str, Any] = {}
         """The caller's small state (its data position): committed with every step, back after a resume."""
         self.commit: CommitRegion | None = None  # set by initialize when the tier is the daemon
+        self.reporter: Any = None  # offload.report.StepReporter: with the daemon, one report per step
         self.resumed_step: int | None = None  # the step this process resumed from the daemon at, if it did
         self.last_checkpoint: str | None = None
         self.stop_requested = False  # SIGTERM: finish the step, commit, detach, exit
@@ -219,6 +220,8 @@ class Engine:
             if self.delayed is not None:
                 self.delayed.finish()  # the committed state is a finished step's ([Note: delayed update])
             self.commit.commit(self.global_steps, self.small_state())
+            if self.reporter is not None:
+                self.reporter.report(self)
             if self.stop_requested:
                 logger.warning("rank %d: stopping at step %d on SIGTERM; the state is committed and the session "
                                "kept for a restart", self.global_rank, self.global_steps)
@@ -367,6 +370,8 @@ class Engine:
             self.tier.close(keep_session=True)
             return
         self.adam.storage.close()
+        if self.reporter is not None:
+            self.reporter.report(self, closing=True)  # the bytes of the transfers that settled in close
         if self.tier is not None:
             self.tier.close()
 

@@ -88,8 +88,13 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
 
         from offload.resume import COMMIT_BYTES
 
-        client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank,
-                                             quota_bytes=align_up(host_bytes + COMMIT_BYTES, PAGE)))
+        resident = align_up(host_bytes + COMMIT_BYTES, PAGE)
+        client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank, quota_bytes=resident))
+        packed = packed_quota_bytes(resident, max(plan.region_bytes, default=0), client.segment_bytes)
+        if packed > client.quota_bytes and not client.reattached:
+            client.close()  # [Note: quota in segments]: ask again for one that packs
+            client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank,
+                                                 quota_bytes=packed))
         return Tier(client, f"daemon {daemon_socket} (job {job_id!r}, rank {rank})", daemon=True)
     config = TierStoreConfig(checksum="crc32c" if checksum else "none")
     if not plan.nvme:
@@ -111,6 +116,19 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
         shutil.rmtree(swap_dir, ignore_errors=True)
         raise
     return Tier(store, f"embedded TierStore ({store.engine.name}, swap in {plan.nvme_path})", swap_dir)
+
+
+def packed_quota_bytes(resident_bytes: int, largest_region_bytes: int, segment_bytes: int) -> int:
+    """[Note: quota in segments] The daemon lends a session whole segments, and a region never spans
+    two, so the resident bytes alone can leave a region without a run long enough (1 MiB grads and
+    3 MiB state blocks in 4 MiB segments: every segment keeps a hole too short for a block). With
+    room for one more region in every segment, a region finds a place whenever the bytes held are
+    within the quota: each segment where it does not fit has more than ``segment - largest`` in use.
+    So: ``ceil(resident / (segment - largest))`` segments (the resident bytes when regions are small)."""
+    usable = segment_bytes - largest_region_bytes
+    if segment_bytes <= 0 or usable <= 0:
+        return resident_bytes  # a region longer than a segment is the daemon's error to give
+    return -(-resident_bytes // usable) * segment_bytes
 
 
 def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | None) -> TierPlan:

@@ -3,7 +3,8 @@
 usage: resume_worker.py DEVICE WORKDIR STEPS
 Environment: FAULT=kill-forward|kill-step|sigterm-forward with FAULT_STEP and FAULT_RANK (first attempt
 only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start).
-Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt.
+Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
+(its params, the step it resumed at, and what offload_stats() returned at the end).
 """
 import os
 import signal
@@ -13,6 +14,16 @@ import torch
 
 from offload import StateTornError, initialize
 from tests.offload import ckpt_worker
+
+
+def read_losses(workdir, rank: int, steps: int) -> list[float]:
+    """The last loss a rank logged for each step (a resumed run logs some steps again)."""
+    out = {}
+    with open(os.path.join(workdir, f"losses-rank{rank}.txt")) as f:
+        for line in f:
+            step, loss = line.split()
+            out[int(step)] = float(loss)
+    return [out[s] for s in range(steps)]
 
 
 def main() -> int:
@@ -64,7 +75,12 @@ def main() -> int:
             engine.step()
             if every and (step + 1) % every == 0:
                 engine.save_checkpoint(ckpt_dir)
-    torch.save({"params": [p.detach().clone() for p in net.parameters()], "resumed_step": engine.resumed_step},
+    engine.adam.storage.drain()  # the last step's evicts: nothing moves after this (close reports it too)
+    stats = engine.offload_stats()
+    torch.save({"params": [p.detach().clone() for p in net.parameters()], "resumed_step": engine.resumed_step,
+                "global_steps": engine.global_steps, "bytes_read_total": stats.bytes_read_total,
+                "bytes_written_total": stats.bytes_written_total, "optimizer_steps": stats.optimizer_steps,
+                "skipped_steps": stats.skipped_steps, "reports": engine.reporter.reports if engine.reporter else 0},
                os.path.join(workdir, f"final-rank{rank}.pt"))
     engine.close()
     return 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.daemon.conftest import STORE, start_daemon
+from tests.offload.resume_worker import read_losses
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
 
@@ -43,13 +44,7 @@ def _run(workdir, device, *, ranks=1, restarts=0, socket=None, timeout=300, **en
 
 
 def _losses(workdir, rank=0):
-    """The last loss logged for each step (a resumed run logs some steps again)."""
-    out = {}
-    with open(os.path.join(workdir, f"losses-rank{rank}.txt")) as f:
-        for line in f:
-            step, loss = line.split()
-            out[int(step)] = float(loss)
-    return [out[s] for s in range(STEPS)]
+    return read_losses(workdir, rank, STEPS)
 
 
 def _final(workdir, rank=0):

@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme", nargs="*", default=["4", "32", "32:nocrc"],
                     help="one nvme contender per spec: buffer_count, with :nocrc for no checksums")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
+    ap.add_argument("--daemon-ranks", type=int, default=0,
+                    help="add the ranks row (step_ranks.py): N ranks, nvme through one daemon vs embedded stores")
     args = ap.parse_args(argv)
     if args.steps_per_round < 2:
         ap.error("--steps-per-round must be >= 2 (the first step of each is not measured)")
@@ -262,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     drift = {n: max(abs(a - b) / b for a, b in zip(v, losses["torch"])) for n, v in losses.items() if n != "torch"}
     lines.append("Same losses as torch at every step (largest relative difference): "
                  + ", ".join(f"{n} {d:.1e}" for n, d in drift.items()))
+    if args.daemon_ranks:  # after the one-rank contenders have closed: the ranks need the memory
+        from step_ranks import ranks_row
+        lines += ["", *ranks_row(ranks=args.daemon_ranks, rounds=args.rounds, steps_per_round=args.steps_per_round,
+                                 batch=args.batch, seq=args.seq, vocab=args.vocab, dim=args.dim, layers=args.layers,
+                                 heads=args.heads, buffer_count=4, nocrc=False, nvme_path=args.nvme_path)]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
