@@ -99,4 +99,37 @@ OFL_AI void sumsq_loop8(int32_t dt, const void *g, int64_t n, double *acc) {
 }
 
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx2, sumsq_loop8)
+
+/* The landing pass; lanes and order as sumsq_loop8, so its partials are the same. */
+OFL_AI void land_loop8(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t n,
+                       double *acc) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = load_grad8(dt, src, i);
+        if (acc_in) x = _mm256_add_ps(_mm256_loadu_ps(dst + i), x);
+        _mm256_storeu_ps(dst + i, x);
+        if (zero_src) {
+            if (dt == OFL_DTYPE_F32) _mm256_storeu_ps((float *)src + i, _mm256_setzero_ps());
+            else _mm_storeu_si128((__m128i *)((uint16_t *)src + i), _mm_setzero_si128());
+        }
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+        a0 = _mm256_fmadd_pd(lo, lo, a0);
+        a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(a0, a1));
+    double s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; i++) {
+        float x = ofl_load_grad1(dt, src, i);
+        if (acc_in) x = dst[i] + x;
+        dst[i] = x;
+        if (zero_src) ofl_zero1(dt, src, i);
+        s += (double)x * x;
+    }
+    *acc += s;
+}
+
+OFL_DEFINE_LAND_KERNEL(ofl_land_kernel_avx2, land_loop8)
 #endif /* OFL_HAVE_X86 */

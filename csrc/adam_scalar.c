@@ -23,3 +23,18 @@ OFL_AI void sumsq_loop1(int32_t dt, const void *g, int64_t n, double *acc) {
 }
 
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_scalar, sumsq_loop1)
+
+OFL_AI void land_loop1(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t n,
+                       double *acc) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        float x = ofl_load_grad1(dt, src, i);
+        if (acc_in) x = dst[i] + x;
+        dst[i] = x;
+        if (zero_src) ofl_zero1(dt, src, i);
+        s += (double)x * x;
+    }
+    *acc += s;
+}
+
+OFL_DEFINE_LAND_KERNEL(ofl_land_kernel_scalar, land_loop1)

@@ -10,9 +10,10 @@ Stage 2 reduces every micro-step and adds into the fp32 accumulators; stages 0 a
 reduce only at the accumulation boundary. Reductions are sums: the 1/world_size of the
 average is folded into the Adam pass's gradient multiplier (``offload.precision``).
 
-The landing (``land(bucket, shard, first, final)``) is the optimizer's: it copies or adds
-the shard into the sub-groups' accumulators and takes the sum of squares while the
-bytes are still in cache.
+The landing (``land(bucket, shard, first, final, zero_source)``) is the optimizer's: it copies
+or adds the shard into the sub-groups' accumulators and takes the sum of squares in the same
+pass; where the shard is the flat buffer's own bucket it may zero it on the way (it says so),
+and only otherwise is the bucket zeroed here ([Note: landing] in ``offload.zero.optimizer``).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GradReducer"]
 
-Land = Callable[[Bucket, torch.Tensor, bool, bool], None]
+Land = Callable[[Bucket, torch.Tensor, bool, bool, bool], bool]
 
 
 class GradReducer:
@@ -89,8 +90,8 @@ class GradReducer:
         self._launched[b.index] = True
         buf = self.flat_grads[b.start:b.start + b.numel]
         if self.comm_world == 1:
-            self._land(b, buf, self._first, self._final)
-            buf.zero_()
+            if not self._land(b, buf, self._first, self._final, True):
+                buf.zero_()
             return
         if self.stage == 0:
             work = dist.all_reduce(buf, group=self.group, async_op=True)
@@ -112,8 +113,9 @@ class GradReducer:
         inflight, self._inflight = self._inflight, []
         for b, shard, work in inflight:
             work.wait()
-            self._land(b, shard, self._first, self._final)
-            self.flat_grads[b.start:b.start + b.numel].zero_()
+            in_place = self.stage == 0  # the all-reduced bucket is the flat buffer's own
+            if not self._land(b, shard, self._first, self._final, in_place):
+                self.flat_grads[b.start:b.start + b.numel].zero_()
         self._active = False
 
     def zero(self) -> None:
