@@ -288,8 +288,9 @@ int32_t ofl_aio_register_buffer(ofl_aio_engine *e, uint64_t address, int64_t nby
     if (!e || !slot_out || address == 0 || nbytes <= 0) return -EINVAL;
     *slot_out = -1;
     if (e->config.kind != OFL_AIO_KIND_IO_URING || !e->fixed_buffers) return -EOPNOTSUPP;
-    int64_t pieces = (nbytes + OFL_AIO_BUFFER_PIECE_BYTES - 1) / OFL_AIO_BUFFER_PIECE_BYTES;
     pthread_mutex_lock(&e->lock);
+    int64_t piece = e->test_piece_bytes ? e->test_piece_bytes : OFL_AIO_BUFFER_PIECE_BYTES;
+    int64_t pieces = (nbytes + piece - 1) / piece;
     int32_t free_slots = 0;
     for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS; i++) free_slots += e->buffers[i].nbytes == 0;
     if (free_slots < pieces) {
@@ -300,7 +301,7 @@ int32_t ofl_aio_register_buffer(ofl_aio_engine *e, uint64_t address, int64_t nby
     int64_t done = 0;
     for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS && done < nbytes; i++) {
         if (e->buffers[i].nbytes != 0) continue;
-        int64_t len = nbytes - done < OFL_AIO_BUFFER_PIECE_BYTES ? nbytes - done : OFL_AIO_BUFFER_PIECE_BYTES;
+        int64_t len = nbytes - done < piece ? nbytes - done : piece;
         rc = ofl_aio_uring_update(e, i, address + (uint64_t)done, len);
         if (rc) break;
         if (group < 0) group = i;
@@ -336,6 +337,14 @@ static int32_t find_buffer(ofl_aio_engine *e, uint64_t address, int64_t nbytes) 
 int32_t ofl_aio_test_cap_transfer_bytes(ofl_aio_engine *e, int64_t nbytes) {
     if (!e || nbytes < 0) return -EINVAL;
     __atomic_store_n(&e->test_cap_bytes, nbytes, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int32_t ofl_aio_test_buffer_piece_bytes(ofl_aio_engine *e, int64_t nbytes) {
+    if (!e || nbytes < 0 || nbytes % 4096 || nbytes > OFL_AIO_BUFFER_PIECE_BYTES) return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    e->test_piece_bytes = nbytes;
+    pthread_mutex_unlock(&e->lock);
     return 0;
 }
 

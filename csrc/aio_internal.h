@@ -66,6 +66,7 @@ struct ofl_aio_engine {
     int32_t fixed_buffers;         /* 1 if the rings have a (sparse) registered buffer table */
     ofl_aio_buffer buffers[OFL_AIO_MAX_BUFFERS];
     int64_t test_cap_bytes;        /* atomic; tests only: most bytes per read/write, 0 = no cap */
+    int64_t test_piece_bytes;      /* under the lock; tests only: registered piece size, 0 = default */
 };
 
 /* Bytes one read/write of `want` asks for: `want`, or less under a test cap

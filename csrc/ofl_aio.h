@@ -148,6 +148,11 @@ void ofl_aio_request_release(ofl_aio_request *request);
  * -EINVAL: NULL engine or nbytes < 0. */
 int32_t ofl_aio_test_cap_transfer_bytes(ofl_aio_engine *engine, int64_t nbytes);
 
+/* TEST ONLY. Register buffers in pieces of at most `nbytes` (a multiple of 4096) instead
+ * of OFL_AIO_BUFFER_PIECE_BYTES from now on, so that tests see a buffer cut into pieces
+ * without pinning gigabytes; 0 restores the default. -EINVAL: NULL engine or bad size. */
+int32_t ofl_aio_test_buffer_piece_bytes(ofl_aio_engine *engine, int64_t nbytes);
+
 /* CRC-32C (Castagnoli) of `nbytes` at `address`, continuing from `crc` (0 to start).
  * Uses SSE4.2 when the CPU has it. */
 int32_t ofl_io_crc32c(uint32_t crc, uint64_t address, int64_t nbytes, uint32_t *crc_out);

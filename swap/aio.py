@@ -163,6 +163,10 @@ class CEngine:
         """TEST ONLY: ask for at most ``nbytes`` per read/write syscall or submission (0: no cap)."""
         raise_errno(lib.ofl_aio_test_cap_transfer_bytes(self._handle, nbytes), "ofl_aio_test_cap_transfer_bytes")
 
+    def set_buffer_piece_bytes_for_tests(self, nbytes: int) -> None:
+        """TEST ONLY: register buffers in pieces of at most ``nbytes`` (0: the 1 GiB default)."""
+        raise_errno(lib.ofl_aio_test_buffer_piece_bytes(self._handle, nbytes), "ofl_aio_test_buffer_piece_bytes")
+
     def stats(self) -> dict[str, int]:
         out = ffi.new("ofl_aio_stats *")
         raise_errno(lib.ofl_aio_engine_stats(self._handle, out), "ofl_aio_engine_stats")

@@ -205,6 +205,10 @@ class IoEngine:
         (with O_DIRECT, a multiple of the logical block size); 0 removes the cap."""
         self._engine().cap_transfer_bytes_for_tests(nbytes)
 
+    def set_buffer_piece_bytes_for_tests(self, nbytes: int) -> None:
+        """TEST ONLY: register buffers in pieces of at most ``nbytes`` from now on (0: 1 GiB)."""
+        self._engine().set_buffer_piece_bytes_for_tests(nbytes)
+
     def unregister_buffer(self, slot: int | None) -> None:
         """Forget a buffer that ``register_buffer`` returned ``slot`` for (None: nothing to do)."""
         if slot is not None and self._c is not None:
