@@ -221,9 +221,16 @@ static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtyp
         }                                                                                        \
     }
 
-static inline void ofl_zero1(int32_t dtype, void *src, int64_t i) {
-    if (dtype == OFL_DTYPE_F32) ((float *)src)[i] = 0.0f;
-    else ((uint16_t *)src)[i] = 0;
+/* One element of the landing pass; returns the landed value. */
+static inline float ofl_land1(int32_t dtype, int acc_in, int zero_src, float *dst, void *src, int64_t i) {
+    float x = ofl_load_grad1(dtype, src, i);
+    if (acc_in) x = dst[i] + x;
+    dst[i] = x;
+    if (zero_src) {
+        if (dtype == OFL_DTYPE_F32) ((float *)src)[i] = 0.0f;
+        else ((uint16_t *)src)[i] = 0;
+    }
+    return x;
 }
 
 #endif /* OFL_ADAM_INTERNAL_H */

@@ -28,11 +28,8 @@ OFL_AI void land_loop1(int32_t dt, int acc_in, int zero_src, float *dst, void *s
                        double *acc) {
     double s = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        float x = ofl_load_grad1(dt, src, i);
-        if (acc_in) x = dst[i] + x;
-        dst[i] = x;
-        if (zero_src) ofl_zero1(dt, src, i);
-        s += (double)x * x;
+        double x = ofl_land1(dt, acc_in, zero_src, dst, src, i);
+        s += x * x;
     }
     *acc += s;
 }
