@@ -42,7 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adam import _cpu_model  # noqa: E402  (one reader of the CPU's name for the benches)
+from bench_adam import cpu_description as _cpu_model  # noqa: E402  (one reader of the CPU's name for the benches)
 from cpu_adam import resolve_isa  # noqa: E402
 from offload.builder import initialize  # noqa: E402
 
