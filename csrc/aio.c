@@ -37,8 +37,8 @@ static void join_crcs(ofl_aio_engine *e, ofl_aio_request *r) {
     uint32_t crc = 0;
     for (int64_t i = 0, start = 0; start < r->crc_bytes; i++, start += bs) {
         int64_t len = r->crc_bytes - start < bs ? r->crc_bytes - start : bs;
-        crc = i == 0 ? r->block_crcs[0]
-                     : ofl_aio_crc32c_combine_op(crc, r->block_crcs[i], len == bs ? full : ofl_aio_crc32c_shift_op(len));
+        uint32_t op = len == bs ? full : ofl_aio_crc32c_shift_op(len);
+        crc = i == 0 ? r->block_crcs[0] : ofl_aio_crc32c_combine_op(crc, r->block_crcs[i], op);
     }
     r->crc = crc;
 }

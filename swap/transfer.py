@@ -4,7 +4,8 @@ A region's placements are split into chunks of at most ``chunk_bytes``; each chu
 one engine request and carries one CRC-32C, taken over the chunk's logical bytes
 (padding excluded). The engine's own I/O threads take each chunk's CRC as its blocks
 complete (``crc_bytes`` at submit), so neither the thread that waits nor the wait itself
-pays for it; here it is only kept (write) or compared (read). Errors are turned into exceptions that name the region and the swap file.
+pays for it; here it is only kept (write) or compared (read). Errors are turned into
+exceptions that name the region and the swap file.
 """
 from __future__ import annotations
 
