@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from cpu_adam import AdamConfig, adam_step, grad_land, grad_sumsq
 from csrc import ConfigError
+from offload.zero.grads import Source
 from offload.zero.layout import Bucket, FlatLayout, Piece, SubGroup
 from offload.zero.states import StateStorage
 
@@ -52,9 +53,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 # Gradients reach the fp32 accumulators in one pass per bucket (cpu_adam.grad_land): copy at a
 # cycle's first micro-step, add at later ones, the sum of squares for the clip norm taken from
 # the landed values in the same pass, and, where the shard is the flat gradient buffer itself
-# (one rank, or stage 0's all-reduce in place), the buffer zeroed as it is read so that the
-# next backward accumulates into zeros without a separate zeroing pass. Three passes over
-# the gradient (copy, sum of squares, zero) become one.
+# (stage 0's all-reduce in place, or one rank accumulating), the buffer zeroed as it is read so
+# that the next backward accumulates into zeros without a separate zeroing pass. Three passes
+# over the gradient (copy, sum of squares, zero) become one; on one rank the source is usually
+# autograd's own gradients ([Note: gradients straight from autograd] in offload.zero.grads).
 
 
 class PartitionedAdam:
@@ -99,15 +101,18 @@ class PartitionedAdam:
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def land(self, bucket: Bucket, shard: torch.Tensor, first: bool, final: bool, zero_source: bool = False) -> bool:
-        """Copy (first micro-step) or add a reduced bucket shard into the accumulators, taking the
-        sum of squares in the same pass at the cycle's last micro-step. With ``zero_source`` the shard
-        may be zeroed as it is read; returns True if it was (every element of it is zero now)."""
-        base = bucket.shard_start(self.layout.rank)
-        pairs = self._by_bucket.get(bucket.index, ())
-        srcs = [shard[p.flat_start - base:p.flat_start - base + p.numel] for _, p in pairs]
-        dsts = [self.storage.grad(sg)[p.sub_start:p.sub_start + p.numel] for sg, p in pairs]
-        if shard.is_cpu and all(d.is_cpu for d in dsts):  # one fused C pass ([Note: landing])
+    def land(self, bucket: Bucket, source: Source, first: bool, final: bool, zero_source: bool = False) -> bool:
+        """Copy (first micro-step) or add a bucket's reduced gradient, read through ``source``, into the
+        accumulators, taking the sum of squares in the same pass at the cycle's last micro-step. With
+        ``zero_source`` the source (the bucket's shard) may be zeroed as it is read; returns True if it
+        was (every element of the shard is zero now)."""
+        dsts, srcs = [], []
+        for sg, p in self._by_bucket.get(bucket.index, ()):
+            acc = self.storage.grad(sg)
+            for off, src in source(p.flat_start, p.numel):
+                dsts.append(acc[p.sub_start + off:p.sub_start + off + src.numel()])
+                srcs.append(src)
+        if all(t.is_cpu for t in srcs) and all(d.is_cpu for d in dsts):  # one fused C pass ([Note: landing])
             zero = zero_source and self._covers[bucket.index]
             total = grad_land(dsts, srcs, accumulate=not first, zero_sources=zero, num_threads=self.num_threads)
             if final:
