@@ -148,7 +148,7 @@ class GradReducer:
         if self.comm_world == 1:
             if self._stealing:
                 self._land(b, self._stolen_source, self._first, self._final, False)
-            elif not self._land(b, _shard_source(buf, b.start), self._first, self._final, True):
+            elif not self._land(b, shard_source(buf, b.start), self._first, self._final, True):
                 buf.zero_()
             return
         if self.stage == 0:
@@ -173,7 +173,7 @@ class GradReducer:
             work.wait()
             in_place = self.stage == 0  # the all-reduced bucket is the flat buffer's own
             base = b.start if in_place else b.shard_start(self.layout.rank)
-            if not self._land(b, _shard_source(shard, base), self._first, self._final, in_place):
+            if not self._land(b, shard_source(shard, base), self._first, self._final, in_place):
                 self.flat_grads[b.start:b.start + b.numel].zero_()
         self._active = False
         self._stealing = False
@@ -191,7 +191,7 @@ class GradReducer:
         self._handles = []
 
 
-def _shard_source(shard: torch.Tensor, base: int) -> Source:
+def shard_source(shard: torch.Tensor, base: int) -> Source:
     """The source of a reduced shard that starts at flat element ``base``."""
     def source(start: int, numel: int) -> list[tuple[int, torch.Tensor]]:
         return [(0, shard[start - base:start - base + numel])]

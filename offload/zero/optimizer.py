@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from cpu_adam import AdamConfig, adam_step, grad_land, grad_sumsq
 from csrc import ConfigError
-from offload.zero.grads import Source
+from offload.zero.grads import Source, shard_source
 from offload.zero.layout import Bucket, FlatLayout, Piece, SubGroup
 from offload.zero.states import StateStorage
 
@@ -101,11 +101,14 @@ class PartitionedAdam:
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def land(self, bucket: Bucket, source: Source, first: bool, final: bool, zero_source: bool = False) -> bool:
-        """Copy (first micro-step) or add a bucket's reduced gradient, read through ``source``, into the
-        accumulators, taking the sum of squares in the same pass at the cycle's last micro-step. With
-        ``zero_source`` the source (the bucket's shard) may be zeroed as it is read; returns True if it
-        was (every element of the shard is zero now)."""
+    def land(self, bucket: Bucket, source: Source | torch.Tensor, first: bool, final: bool,
+             zero_source: bool = False) -> bool:
+        """Copy (first micro-step) or add a bucket's reduced gradient, read through ``source`` (or this
+        rank's shard of it as one tensor), into the accumulators, taking the sum of squares in the same
+        pass at the cycle's last micro-step. With ``zero_source`` the source (the bucket's shard) may be
+        zeroed as it is read; returns True if it was (every element of the shard is zero now)."""
+        if isinstance(source, torch.Tensor):
+            source = shard_source(source, bucket.shard_start(self.layout.rank))
         dsts, srcs = [], []
         for sg, p in self._by_bucket.get(bucket.index, ()):
             acc = self.storage.grad(sg)

@@ -72,3 +72,25 @@ def test_accumulation_uses_the_flat_buffer_and_lands_the_sum(tmp_path):
         assert not engine.reducer.flat_grads.any()
     finally:
         engine.close()
+
+
+def test_land_takes_a_shard_tensor_too():
+    """The tensor form (a reducer that hands over a bucket's shard as one tensor) lands the same bytes."""
+    model, _ = twin_models()
+    engine, _, _, _ = initialize(model=model, config=engine_config(stage=1, device="cpu"),
+                                 model_parameters=param_groups(model))
+    try:
+        adam, bucket = engine.adam, engine.layout.buckets[0]
+        shard = torch.randn(bucket.shard_numel, generator=torch.Generator().manual_seed(5))
+        assert adam.land(bucket, shard, True, True) is False  # nothing zeroed unless asked
+        base = bucket.shard_start(engine.layout.rank)
+        landed = 0.0
+        for sg in engine.layout.sub_groups:
+            for p in sg.pieces:
+                if p.bucket == bucket.index:
+                    got = adam.storage.grad(sg.index)[p.sub_start:p.sub_start + p.numel]
+                    assert torch.equal(got, shard[p.flat_start - base:p.flat_start - base + p.numel])
+                    landed += float((got.double() ** 2).sum())
+        assert adam.global_sumsq() == pytest.approx(landed, rel=1e-12) and landed > 0
+    finally:
+        engine.close()
