@@ -9,6 +9,7 @@ from cpu_adam.kernels import (
     adam_step,
     available_isas,
     default_num_threads,
+    grad_land,
     grad_sumsq,
     resolve_isa,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "adam_step",
     "available_isas",
     "default_num_threads",
+    "grad_land",
     "grad_sumsq",
     "resolve_isa",
 ]

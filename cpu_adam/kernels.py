@@ -9,7 +9,9 @@ in, fp32 master and moments updated in place, an optional bf16/fp16 copy of the 
 params written in the same pass, and a gradient multiplier (1/loss_scale times the
 clip coefficient) applied on the way in. ``grad_sumsq`` is the cheap pass that comes
 first: its result gives the clip coefficient, and a non-finite result says to skip
-the step under fp16 loss scaling.
+the step under fp16 loss scaling. ``grad_land`` is the engine's landing pass: it copies or
+adds reduced gradients into the fp32 accumulators and returns the same sum of squares,
+taken while the bytes are in registers (and can zero the sources on the way).
 """
 from __future__ import annotations
 
@@ -35,12 +37,13 @@ __all__ = [
     "adam_step",
     "available_isas",
     "default_num_threads",
+    "grad_land",
     "grad_sumsq",
     "resolve_isa",
     "stream_inplace",
 ]
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 
@@ -365,6 +368,31 @@ def call_sumsq(addrs: array.array, numels: array.array, code: int, *, num_thread
     rc = lib.ofl_grad_sumsq(ffi.from_buffer("uint64_t[]", addrs), ffi.from_buffer("int64_t[]", numels),
                             len(addrs), code, resolve_isa(isa), num_threads or default_num_threads(), out)
     raise_errno(rc, "ofl_grad_sumsq")
+    return float(out[0])
+
+
+def grad_land(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, accumulate: bool,
+              zero_sources: bool = False, num_threads: int | None = None, isa: Isa | str | None = None) -> float:
+    """Land gradients in fp32 accumulators in one pass; return the sum of squares (double) of the result.
+
+    ``dst = src`` (``accumulate`` False: the first micro-step) or ``dst += src`` for each pair;
+    ``dsts`` float32, ``srcs`` one dtype among float32/bfloat16/float16, each pair of the same
+    length; with ``zero_sources`` every source is zero afterwards. The sum equals
+    ``grad_sumsq(dsts)`` afterwards (the same chunk grid and partials), with any thread count."""
+    if len(dsts) != len(srcs):
+        raise ConfigError(f"dsts has {len(dsts)} tensors, srcs has {len(srcs)}")
+    if not dsts:
+        return 0.0
+    code = dtype_code(srcs, "srcs")
+    numels = list(map(_NUMEL, dsts))
+    dst_addrs = address_array(dsts, "dsts", torch.float32, None)
+    src_addrs = address_array(srcs, "srcs", srcs[0].dtype, numels)
+    out = ffi.new("double *")
+    rc = lib.ofl_grad_land(ffi.from_buffer("uint64_t[]", dst_addrs), ffi.from_buffer("uint64_t[]", src_addrs),
+                           ffi.from_buffer("int64_t[]", array.array("q", numels)), len(numels), code,
+                           int(accumulate), int(zero_sources), resolve_isa(isa),
+                           num_threads or default_num_threads(), out)
+    raise_errno(rc, "ofl_grad_land")
     return float(out[0])
 
 

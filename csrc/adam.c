@@ -216,14 +216,26 @@ int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,
     return 0;
 }
 
-/* ---- gradient sum of squares ---- */
+/* ---- gradient sum of squares, and the landing pass that takes it on the way ---- */
+
+static ofl_land_kernel_fn land_kernel_for(int32_t isa) {
+#if OFL_HAVE_X86
+    if (isa == OFL_ISA_AVX512 || isa == OFL_ISA_AVX512_BF16) return ofl_land_kernel_avx512;
+    if (isa == OFL_ISA_AVX2) return ofl_land_kernel_avx2;
+#endif
+    (void)isa;
+    return ofl_land_kernel_scalar;
+}
 
 typedef struct {
-    const uint64_t *grads;
+    const uint64_t *grads;  /* the sources (landing) or the gradients (sum of squares) */
+    const uint64_t *dsts;   /* landing only: the fp32 accumulators; NULL for a plain sum */
     const int64_t *starts;
     int64_t count;
     int32_t dtype;
+    int32_t accumulate, zero_src;
     ofl_sumsq_kernel_fn kernel;
+    ofl_land_kernel_fn land;
     double *partial; /* one per chunk, summed in chunk order: the result is deterministic */
 } sumsq_job;
 
@@ -235,8 +247,12 @@ typedef struct {
 static void sumsq_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
     sumsq_visit *sv = (sumsq_visit *)ctx;
     sumsq_job *job = sv->job;
-    const char *g = (const char *)(uintptr_t)job->grads[i] + off * dtype_bytes(job->dtype);
-    job->kernel(job->dtype, g, len, &job->partial[sv->chunk]);
+    char *g = (char *)(uintptr_t)job->grads[i] + off * dtype_bytes(job->dtype);
+    if (job->dsts)
+        job->land(job->dtype, job->accumulate, job->zero_src, (float *)(uintptr_t)job->dsts[i] + off, g, len,
+                  &job->partial[sv->chunk]);
+    else
+        job->kernel(job->dtype, g, len, &job->partial[sv->chunk]);
 }
 
 static void sumsq_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
@@ -245,21 +261,23 @@ static void sumsq_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
     walk_share(job->starts, job->count, lo, hi, sumsq_segment, &sv);
 }
 
-int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t count,
-                       int32_t dtype, int32_t isa, int32_t num_threads, double *sumsq_out) {
+/* Checks shared by the sum of squares and the landing; 0 or -EINVAL. */
+static int32_t check_sumsq_args(const uint64_t *grads, const uint64_t *dsts, const int64_t *numel,
+                                int64_t count, int32_t dtype, int32_t num_threads, double *sumsq_out) {
     if (!sumsq_out || count < 0 || num_threads < 1) return -EINVAL;
     if (dtype < OFL_DTYPE_F32 || dtype > OFL_DTYPE_F16) return -EINVAL;
     if (count > 0 && (!grads || !numel)) return -EINVAL;
     for (int64_t i = 0; i < count; i++)
-        if (numel[i] < 0 || (numel[i] > 0 && !grads[i])) return -EINVAL;
-    int32_t resolved;
-    int32_t rc = resolve_isa(isa, &resolved);
-    if (rc) return rc;
-    *sumsq_out = 0.0;
-    if (count == 0) return 0;
+        if (numel[i] < 0 || (numel[i] > 0 && (!grads[i] || (dsts && !dsts[i])))) return -EINVAL;
+    return 0;
+}
 
-    int64_t *starts = prefix_starts(numel, count);
-    int64_t total = starts ? starts[count] : 0;
+/* Runs `job` (grads, dsts and flags set) over the chunk grid; the sum goes to *sumsq_out. */
+static int32_t run_sumsq(sumsq_job *job, const int64_t *numel, int32_t num_threads, double *sumsq_out) {
+    *sumsq_out = 0.0;
+    if (job->count == 0) return 0;
+    int64_t *starts = prefix_starts(numel, job->count);
+    int64_t total = starts ? starts[job->count] : 0;
     int64_t chunks = (total + OFL_CHUNK_ELEMS - 1) / OFL_CHUNK_ELEMS;
     double *partial = calloc((size_t)(chunks > 0 ? chunks : 1), sizeof *partial);
     if (!starts || !partial) {
@@ -267,15 +285,38 @@ int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t coun
         free(partial);
         return -ENOMEM;
     }
-    sumsq_job job = {grads, starts, count, dtype, sumsq_kernel_for(resolved), partial};
-    ofl_parallel_chunks(sumsq_chunk, &job, total, OFL_CHUNK_ELEMS,
-                        effective_threads(num_threads, total));
+    job->starts = starts;
+    job->partial = partial;
+    ofl_parallel_chunks(sumsq_chunk, job, total, OFL_CHUNK_ELEMS, effective_threads(num_threads, total));
     double s = 0.0;
     for (int64_t i = 0; i < chunks; i++) s += partial[i];
     *sumsq_out = s;
     free(starts);
     free(partial);
     return 0;
+}
+
+int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t count,
+                       int32_t dtype, int32_t isa, int32_t num_threads, double *sumsq_out) {
+    int32_t rc = check_sumsq_args(grads, NULL, numel, count, dtype, num_threads, sumsq_out);
+    int32_t resolved;
+    if (!rc) rc = resolve_isa(isa, &resolved);
+    if (rc) return rc;
+    sumsq_job job = {grads, NULL, NULL, count, dtype, 0, 0, sumsq_kernel_for(resolved), NULL, NULL};
+    return run_sumsq(&job, numel, num_threads, sumsq_out);
+}
+
+int32_t ofl_grad_land(const uint64_t *dsts, const uint64_t *srcs, const int64_t *numel, int64_t count,
+                      int32_t dtype, int32_t accumulate, int32_t zero_src, int32_t isa,
+                      int32_t num_threads, double *sumsq_out) {
+    if ((count > 0 && !dsts) || (accumulate != 0 && accumulate != 1) || (zero_src != 0 && zero_src != 1))
+        return -EINVAL;
+    int32_t rc = check_sumsq_args(srcs, dsts, numel, count, dtype, num_threads, sumsq_out);
+    int32_t resolved;
+    if (!rc) rc = resolve_isa(isa, &resolved);
+    if (rc) return rc;
+    sumsq_job job = {srcs, dsts, NULL, count, dtype, accumulate, zero_src, NULL, land_kernel_for(resolved), NULL};
+    return run_sumsq(&job, numel, num_threads, sumsq_out);
 }
 
 /* ---- roofline probe ---- */

@@ -78,19 +78,25 @@ OFL_AI int32_t adam_loop8(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int 
 
 OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx2, adam_loop8)
 
+/* Squares of the 8 lanes of x added, in double, into two 4-lane accumulators. */
+OFL_AI void square_into8(__m256 x, __m256d *a0, __m256d *a1) {
+    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+    __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+    *a0 = _mm256_fmadd_pd(lo, lo, *a0);
+    *a1 = _mm256_fmadd_pd(hi, hi, *a1);
+}
+
+OFL_AI double lanes_sum8(__m256d a0, __m256d a1) {
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(a0, a1));
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
 OFL_AI void sumsq_loop8(int32_t dt, const void *g, int64_t n, double *acc) {
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = load_grad8(dt, g, i);
-        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-        __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-        a0 = _mm256_fmadd_pd(lo, lo, a0);
-        a1 = _mm256_fmadd_pd(hi, hi, a1);
-    }
-    double lanes[4];
-    _mm256_storeu_pd(lanes, _mm256_add_pd(a0, a1));
-    double s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i + 8 <= n; i += 8) square_into8(load_grad8(dt, g, i), &a0, &a1);
+    double s = lanes_sum8(a0, a1);
     for (; i < n; i++) {
         double x = ofl_load_grad1(dt, g, i);
         s += x * x;
@@ -99,4 +105,29 @@ OFL_AI void sumsq_loop8(int32_t dt, const void *g, int64_t n, double *acc) {
 }
 
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx2, sumsq_loop8)
+
+/* The landing pass; lanes and order as sumsq_loop8, so its partials are the same. */
+OFL_AI void land_loop8(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t n,
+                       double *acc) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = load_grad8(dt, src, i);
+        if (acc_in) x = _mm256_add_ps(_mm256_loadu_ps(dst + i), x);
+        _mm256_storeu_ps(dst + i, x);
+        if (zero_src) {
+            if (dt == OFL_DTYPE_F32) _mm256_storeu_ps((float *)src + i, _mm256_setzero_ps());
+            else _mm_storeu_si128((__m128i *)((uint16_t *)src + i), _mm_setzero_si128());
+        }
+        square_into8(x, &a0, &a1);
+    }
+    double s = lanes_sum8(a0, a1);
+    for (; i < n; i++) {
+        double x = ofl_land1(dt, acc_in, zero_src, dst, src, i);
+        s += x * x;
+    }
+    *acc += s;
+}
+
+OFL_DEFINE_LAND_KERNEL(ofl_land_kernel_avx2, land_loop8)
 #endif /* OFL_HAVE_X86 */

@@ -12,4 +12,5 @@
 
 OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx512, adam_loop16)
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx512, sumsq_loop16)
+OFL_DEFINE_LAND_KERNEL(ofl_land_kernel_avx512, land_loop16)
 #endif /* OFL_HAVE_X86 */

@@ -133,4 +133,38 @@ OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
     *acc += _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 
+/* One vector of the landing pass (see land_loop16). */
+OFL_AI void land16(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t i,
+                   __mmask16 k, int tail, __m512d *a0, __m512d *a1) {
+    __m512 x = load_grad16(dt, src, i, k, tail);
+    if (acc_in) x = _mm512_add_ps(tail ? _mm512_maskz_loadu_ps(k, dst + i) : _mm512_loadu_ps(dst + i), x);
+    if (tail) _mm512_mask_storeu_ps(dst + i, k, x);
+    else _mm512_storeu_ps(dst + i, x);
+    if (zero_src) {
+        if (dt == OFL_DTYPE_F32) {
+            if (tail) _mm512_mask_storeu_ps((float *)src + i, k, _mm512_setzero_ps());
+            else _mm512_storeu_ps((float *)src + i, _mm512_setzero_ps());
+        } else {
+            uint16_t *h = (uint16_t *)src + i;
+            if (tail) _mm256_mask_storeu_epi16(h, k, _mm256_setzero_si256());
+            else _mm256_storeu_si256((__m256i *)h, _mm256_setzero_si256());
+        }
+    }
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1));
+    *a0 = _mm512_fmadd_pd(lo, lo, *a0);
+    *a1 = _mm512_fmadd_pd(hi, hi, *a1);
+}
+
+/* The landing pass; lanes and order as sumsq_loop16, so its partials are the same. */
+OFL_AI void land_loop16(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t n,
+                        double *acc) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) land16(dt, acc_in, zero_src, dst, src, i, 0xffff, 0, &a0, &a1);
+    if (i < n)
+        land16(dt, acc_in, zero_src, dst, src, i, (__mmask16)((1u << (n - i)) - 1u), 1, &a0, &a1);
+    *acc += _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+}
+
 #endif /* OFL_ADAM_AVX512_LOOP_H */

@@ -23,7 +23,33 @@ int64_t ofl_aio_now_ns(void) {
 }
 
 static void request_unref(ofl_aio_request *r) {
-    if (__atomic_sub_fetch(&r->refs, 1, __ATOMIC_ACQ_REL) == 0) free(r);
+    if (__atomic_sub_fetch(&r->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        free(r->block_crcs);
+        free(r);
+    }
+}
+
+/* Under the lock, once every block is in: the request's CRC from its blocks' (see
+ * ofl_aio_submit_crc). Blocks start at multiples of the block size. */
+static void join_crcs(ofl_aio_engine *e, ofl_aio_request *r) {
+    int64_t bs = e->config.block_size_bytes;
+    uint32_t full = ofl_aio_crc32c_shift_op(bs);
+    uint32_t crc = 0;
+    for (int64_t i = 0, start = 0; start < r->crc_bytes; i++, start += bs) {
+        int64_t len = r->crc_bytes - start < bs ? r->crc_bytes - start : bs;
+        uint32_t op = len == bs ? full : ofl_aio_crc32c_shift_op(len);
+        crc = i == 0 ? r->block_crcs[0] : ofl_aio_crc32c_combine_op(crc, r->block_crcs[i], op);
+    }
+    r->crc = crc;
+}
+
+/* Without the lock: the CRC of a block that finished (the part of it below crc_bytes). */
+static void block_crc(ofl_aio_engine *e, const ofl_aio_block *blk) {
+    ofl_aio_request *r = blk->req;
+    if (blk->offset >= r->crc_bytes) return;
+    int64_t end = blk->offset + blk->len < r->crc_bytes ? blk->offset + blk->len : r->crc_bytes;
+    ofl_io_crc32c(0, (uint64_t)(uintptr_t)(r->buffer + blk->offset), end - blk->offset,
+                  &r->block_crcs[blk->offset / e->config.block_size_bytes]);
 }
 
 void ofl_aio_request_release(ofl_aio_request *request) {
@@ -41,6 +67,7 @@ static void pop_head(ofl_aio_engine *e) {
 /* Under the lock: mark complete if nothing is pending; returns 1 if it completed now. */
 static int maybe_complete(ofl_aio_engine *e, ofl_aio_request *r) {
     if (r->done || r->blocks_pending > 0 || r->cursor < r->nbytes) return 0;
+    if (!r->error && r->crc_bytes > 0) join_crcs(e, r);
     r->done = 1;
     r->complete_ns = ofl_aio_now_ns();
     e->stats.requests_completed++;
@@ -56,6 +83,8 @@ static int maybe_complete(ofl_aio_engine *e, ofl_aio_request *r) {
     return 1;
 }
 
+static int32_t find_buffer(ofl_aio_engine *e, uint64_t address, int64_t nbytes);
+
 int ofl_aio_take_block(ofl_aio_engine *e, ofl_aio_block *blk) {
     ofl_aio_request *r = e->head;
     if (!r) return 0;
@@ -64,6 +93,7 @@ int ofl_aio_take_block(ofl_aio_engine *e, ofl_aio_block *blk) {
     blk->req = r;
     blk->offset = r->cursor;
     blk->len = len;
+    blk->buf_index = find_buffer(e, (uint64_t)(uintptr_t)(r->buffer + r->cursor), len);
     r->cursor += len;
     r->blocks_pending++;
     e->stats.blocks_in_flight++;
@@ -74,6 +104,7 @@ int ofl_aio_take_block(ofl_aio_engine *e, ofl_aio_block *blk) {
 void ofl_aio_finish_block(ofl_aio_engine *e, ofl_aio_block *blk, int32_t err, int64_t moved) {
     ofl_aio_request *r = blk->req;
     int completed;
+    if (!err && r->crc_bytes > 0) block_crc(e, blk);  /* on this I/O thread, before the lock */
     pthread_mutex_lock(&e->lock);
     r->blocks_pending--;
     e->stats.blocks_in_flight--;
@@ -240,28 +271,45 @@ void ofl_aio_engine_close(ofl_aio_engine *e) {
     free(e);
 }
 
+/* Under the lock: clear every table slot of `group`; 0 or the first -errno. */
+static int32_t release_group(ofl_aio_engine *e, int32_t group) {
+    int32_t rc = 0;
+    for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS; i++) {
+        if (e->buffers[i].nbytes == 0 || e->buffers[i].group != group) continue;
+        e->buffers[i].nbytes = 0;  /* no new transfer picks it; the kernel keeps in-flight pages */
+        e->buffers[i].address = 0;
+        int32_t err = ofl_aio_uring_update(e, i, 0, 0);
+        if (!rc) rc = err;
+    }
+    return rc;
+}
+
 int32_t ofl_aio_register_buffer(ofl_aio_engine *e, uint64_t address, int64_t nbytes, int32_t *slot_out) {
     if (!e || !slot_out || address == 0 || nbytes <= 0) return -EINVAL;
     *slot_out = -1;
     if (e->config.kind != OFL_AIO_KIND_IO_URING || !e->fixed_buffers) return -EOPNOTSUPP;
     pthread_mutex_lock(&e->lock);
-    int32_t slot = -1;
-    for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS; i++) {
-        if (e->buffers[i].nbytes == 0) {
-            slot = i;
-            break;
-        }
-    }
-    if (slot < 0) {
+    int64_t piece = e->test_piece_bytes ? e->test_piece_bytes : OFL_AIO_BUFFER_PIECE_BYTES;
+    int64_t pieces = (nbytes + piece - 1) / piece;
+    int32_t free_slots = 0;
+    for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS; i++) free_slots += e->buffers[i].nbytes == 0;
+    if (free_slots < pieces) {
         pthread_mutex_unlock(&e->lock);
         return -ENOSPC;
     }
-    int32_t rc = ofl_aio_uring_update(e, slot, address, nbytes);
-    if (rc == 0) {
-        e->buffers[slot].address = address;
-        e->buffers[slot].nbytes = nbytes;
-        *slot_out = slot;
+    int32_t group = -1, rc = 0;
+    int64_t done = 0;
+    for (int32_t i = 0; i < OFL_AIO_MAX_BUFFERS && done < nbytes; i++) {
+        if (e->buffers[i].nbytes != 0) continue;
+        int64_t len = nbytes - done < piece ? nbytes - done : piece;
+        rc = ofl_aio_uring_update(e, i, address + (uint64_t)done, len);
+        if (rc) break;
+        if (group < 0) group = i;
+        e->buffers[i] = (ofl_aio_buffer){address + (uint64_t)done, len, group};
+        done += len;
     }
+    if (rc && group >= 0) release_group(e, group);
+    if (!rc) *slot_out = group;
     pthread_mutex_unlock(&e->lock);
     return rc;
 }
@@ -270,11 +318,7 @@ int32_t ofl_aio_unregister_buffer(ofl_aio_engine *e, int32_t slot) {
     if (!e || slot < 0 || slot >= OFL_AIO_MAX_BUFFERS) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     int32_t rc = -EINVAL;
-    if (e->buffers[slot].nbytes != 0) {
-        e->buffers[slot].nbytes = 0;  /* no new transfer picks it; the kernel keeps in-flight pages */
-        e->buffers[slot].address = 0;
-        rc = ofl_aio_uring_update(e, slot, 0, 0);
-    }
+    if (e->buffers[slot].nbytes != 0 && e->buffers[slot].group == slot) rc = release_group(e, slot);
     pthread_mutex_unlock(&e->lock);
     return rc;
 }
@@ -296,6 +340,14 @@ int32_t ofl_aio_test_cap_transfer_bytes(ofl_aio_engine *e, int64_t nbytes) {
     return 0;
 }
 
+int32_t ofl_aio_test_buffer_piece_bytes(ofl_aio_engine *e, int64_t nbytes) {
+    if (!e || nbytes < 0 || nbytes % 4096 || nbytes > OFL_AIO_BUFFER_PIECE_BYTES) return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    e->test_piece_bytes = nbytes;
+    pthread_mutex_unlock(&e->lock);
+    return 0;
+}
+
 int32_t ofl_aio_engine_stats(ofl_aio_engine *e, ofl_aio_stats *out) {
     if (!e || !out) return -EINVAL;
     pthread_mutex_lock(&e->lock);
@@ -306,28 +358,43 @@ int32_t ofl_aio_engine_stats(ofl_aio_engine *e, ofl_aio_stats *out) {
 
 int32_t ofl_aio_submit(ofl_aio_engine *e, int32_t op, int32_t fd, uint64_t buffer_address,
                        int64_t nbytes, int64_t file_offset, ofl_aio_request **request_out) {
+    return ofl_aio_submit_crc(e, op, fd, buffer_address, nbytes, file_offset, -1, request_out);
+}
+
+int32_t ofl_aio_submit_crc(ofl_aio_engine *e, int32_t op, int32_t fd, uint64_t buffer_address,
+                           int64_t nbytes, int64_t file_offset, int64_t crc_bytes,
+                           ofl_aio_request **request_out) {
     if (!e || !request_out) return -EINVAL;
     *request_out = NULL;
     if ((op != OFL_AIO_OP_READ && op != OFL_AIO_OP_WRITE) || fd < 0 || nbytes < 0 || file_offset < 0 ||
-        (buffer_address == 0 && nbytes > 0))
+        (buffer_address == 0 && nbytes > 0) || crc_bytes < -1 || crc_bytes > nbytes)
         return -EINVAL;
     ofl_aio_request *r = calloc(1, sizeof(*r));
     if (!r) return -ENOMEM;
+    if (crc_bytes > 0) {
+        int64_t blocks = (nbytes + e->config.block_size_bytes - 1) / e->config.block_size_bytes;
+        r->block_crcs = calloc((size_t)blocks, sizeof(uint32_t));
+        if (!r->block_crcs) {
+            free(r);
+            return -ENOMEM;
+        }
+    }
     r->refs = 2;
     r->op = op;
     r->fd = fd;
     r->buffer = (char *)(uintptr_t)buffer_address;
     r->nbytes = nbytes;
     r->file_offset = file_offset;
+    r->crc_bytes = crc_bytes;
     r->submit_ns = ofl_aio_now_ns();
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
         pthread_mutex_unlock(&e->lock);
+        free(r->block_crcs);
         free(r);
         return -ESHUTDOWN;
     }
     e->stats.requests_pending++;
-    r->buf_index = find_buffer(e, buffer_address, nbytes);
     if (nbytes == 0) {
         maybe_complete(e, r);
         r->refs = 1;
@@ -373,6 +440,8 @@ int32_t ofl_aio_request_result(ofl_aio_engine *e, ofl_aio_request *r, ofl_aio_re
     out->bytes_done = r->bytes_done;
     out->submit_ns = r->submit_ns;
     out->complete_ns = r->complete_ns;
+    out->has_crc = r->done && !r->error && r->crc_bytes >= 0;
+    out->crc = r->crc;
     pthread_mutex_unlock(&e->lock);
     return 0;
 }

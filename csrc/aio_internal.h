@@ -22,7 +22,9 @@ struct ofl_aio_request {
     int64_t submit_ns;
     int64_t complete_ns;
     int32_t done;
-    int32_t buf_index;       /* io_uring: registered buffer holding the whole transfer, or -1 */
+    int64_t crc_bytes;       /* CRC-32C of the first crc_bytes bytes wanted; -1: none */
+    uint32_t *block_crcs;    /* crc_bytes >= 0: one per block, written by the thread that finished it */
+    uint32_t crc;            /* the whole CRC, joined from block_crcs when the request completes */
     struct ofl_aio_request *next;  /* FIFO link while queued */
 };
 
@@ -31,6 +33,7 @@ typedef struct {
     ofl_aio_request *req;
     int64_t offset;
     int64_t len;
+    int32_t buf_index;  /* io_uring: registered buffer holding this block, or -1 */
 } ofl_aio_block;
 
 /* What a worker thread is started with. */
@@ -42,6 +45,7 @@ typedef struct {
 typedef struct {
     uint64_t address;
     int64_t nbytes;  /* 0: slot free */
+    int32_t group;   /* the slot ofl_aio_register_buffer returned for the range this piece is of */
 } ofl_aio_buffer;
 
 struct ofl_aio_uring;  /* aio_uring.c: one ring per submitting thread */
@@ -62,6 +66,7 @@ struct ofl_aio_engine {
     int32_t fixed_buffers;         /* 1 if the rings have a (sparse) registered buffer table */
     ofl_aio_buffer buffers[OFL_AIO_MAX_BUFFERS];
     int64_t test_cap_bytes;        /* atomic; tests only: most bytes per read/write, 0 = no cap */
+    int64_t test_piece_bytes;      /* under the lock; tests only: registered piece size, 0 = default */
 };
 
 /* Bytes one read/write of `want` asks for: `want`, or less under a test cap
@@ -94,5 +99,11 @@ int32_t ofl_aio_uring_open(ofl_aio_engine *e);
 void ofl_aio_uring_close(ofl_aio_engine *e);
 void *ofl_aio_uring_worker(void *arg);
 int32_t ofl_aio_uring_update(ofl_aio_engine *e, int32_t slot, uint64_t address, int64_t nbytes);
+
+/* crc32c.c ([Note: CRC lanes and combining]): the operator that appends `len2` bytes,
+ * and the CRC of A || B from crc(A), crc(B) and that operator for |B| (finished CRCs,
+ * as ofl_io_crc32c returns them). */
+uint32_t ofl_aio_crc32c_shift_op(int64_t len2);
+uint32_t ofl_aio_crc32c_combine_op(uint32_t crc1, uint32_t crc2, uint32_t op);
 
 #endif /* OFL_AIO_INTERNAL_H */

@@ -158,7 +158,7 @@ static void queue_sqe(ofl_aio_engine *e, struct ofl_aio_uring *r, slot *s) {
     unsigned idx = tail & *r->sq_mask;
     struct io_uring_sqe *sqe = &r->sqes[idx];
     memset(sqe, 0, sizeof(*sqe));
-    int fixed = q->buf_index >= 0;
+    int fixed = s->blk.buf_index >= 0;
     if (q->op == OFL_AIO_OP_READ) sqe->opcode = fixed ? IORING_OP_READ_FIXED : IORING_OP_READ;
     else sqe->opcode = fixed ? IORING_OP_WRITE_FIXED : IORING_OP_WRITE;
     sqe->fd = q->fd;
@@ -166,7 +166,7 @@ static void queue_sqe(ofl_aio_engine *e, struct ofl_aio_uring *r, slot *s) {
     sqe->len = (uint32_t)ofl_aio_transfer_len(e, s->blk.len - s->moved);
     sqe->off = (uint64_t)(q->file_offset + s->blk.offset + s->moved);
     if (fixed) {
-        sqe->buf_index = (uint16_t)q->buf_index;
+        sqe->buf_index = (uint16_t)s->blk.buf_index;
         __atomic_add_fetch(&e->stats.blocks_registered, 1, __ATOMIC_RELAXED);
     }
     sqe->user_data = (uint64_t)(uintptr_t)s;

@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#define OFL_ADAM_ABI_VERSION 2
+#define OFL_ADAM_ABI_VERSION 3
 
 /* Instruction-set paths. AUTO picks the best the CPU and OS support. */
 #define OFL_ISA_AUTO 0
@@ -79,6 +79,20 @@ int32_t ofl_adam_step(const ofl_adam_config *config, const ofl_adam_tensors *ten
  * that is inf or NaN means some gradient was not finite. */
 int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t count,
                        int32_t dtype, int32_t isa, int32_t num_threads, double *sumsq_out);
+
+/* Lands `count` gradient pieces into fp32 accumulators in one pass: dst[i] = src[i]
+ * (accumulate 0: the first micro-step) or dst[i] += src[i] (accumulate 1), the sources
+ * of one dtype (F32, BF16, F16), and with zero_src 1 each source element set to zero
+ * once read (the flat gradient buffer is then ready for the next backward). The sum
+ * of squares, in double, of the landed dst values goes to *sumsq_out: the pieces are
+ * one virtual concatenation cut on the chunk grid of ofl_grad_sumsq, with the same
+ * per-chunk partials summed in chunk order, so the result equals ofl_grad_sumsq of the
+ * dsts afterwards, for any thread count. Pieces must not overlap one another.
+ * -EINVAL: bad dtype, flag, count, numel, thread count or NULL address; -ENOTSUP: the
+ * isa cannot run here; -ENOMEM. Nothing is modified when an error is returned. */
+int32_t ofl_grad_land(const uint64_t *dsts, const uint64_t *srcs, const int64_t *numel, int64_t count,
+                      int32_t dtype, int32_t accumulate, int32_t zero_src, int32_t isa,
+                      int32_t num_threads, double *sumsq_out);
 
 /* Roofline probe with Adam's memory traffic: a += b; c += b; d += b, in place over
  * n floats (reads 16 bytes and writes 12 per element, as Adam does). */

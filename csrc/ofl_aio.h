@@ -37,7 +37,7 @@
 
 #include <stdint.h>
 
-#define OFL_AIO_ABI_VERSION 3
+#define OFL_AIO_ABI_VERSION 4
 
 #define OFL_AIO_KIND_LINUX_AIO 1
 #define OFL_AIO_KIND_THREADS 2
@@ -50,6 +50,7 @@
 #define OFL_AIO_MAX_QUEUE_DEPTH 1024
 #define OFL_AIO_MAX_IO_THREADS 256
 #define OFL_AIO_MAX_BUFFERS 64
+#define OFL_AIO_BUFFER_PIECE_BYTES 1073741824
 
 typedef struct ofl_aio_engine ofl_aio_engine;
 typedef struct ofl_aio_request ofl_aio_request;
@@ -79,6 +80,8 @@ typedef struct {
     int64_t bytes_done;    /* bytes transferred; == nbytes when error is 0 */
     int64_t submit_ns;     /* CLOCK_MONOTONIC at submit */
     int64_t complete_ns;   /* CLOCK_MONOTONIC at completion, 0 until done */
+    int32_t has_crc;       /* 1 if the request asked for a CRC and completed without error */
+    uint32_t crc;          /* then: CRC-32C of its first crc_bytes bytes (ofl_aio_submit_crc) */
 } ofl_aio_result;
 
 int32_t ofl_aio_abi_version(void);
@@ -102,11 +105,22 @@ int32_t ofl_aio_engine_stats(ofl_aio_engine *engine, ofl_aio_stats *stats_out);
 int32_t ofl_aio_submit(ofl_aio_engine *engine, int32_t op, int32_t fd, uint64_t buffer_address,
                        int64_t nbytes, int64_t file_offset, ofl_aio_request **request_out);
 
-/* io_uring engines: register [address, address + nbytes) so that transfers lying wholly
- * inside it use the pinned pages; *slot_out receives its slot for unregistering.
- * -EOPNOTSUPP: not an io_uring engine, or this kernel has no sparse buffer tables;
- * -ENOSPC: OFL_AIO_MAX_BUFFERS already registered; -ENOMEM: the memlock limit
- * refuses the pinning; -EINVAL / -EFAULT: a bad range (at most 1 GiB each). */
+/* The same, and the CRC-32C of the first `crc_bytes` bytes (0 <= crc_bytes <= nbytes) of the
+ * buffer once the transfer is done (after a read: of what was read), computed by the
+ * engine's own threads: each block's as it completes, joined when the last one does, so
+ * the thread that waits finds it ready (ofl_aio_result.crc). -1: no CRC (ofl_aio_submit). */
+int32_t ofl_aio_submit_crc(ofl_aio_engine *engine, int32_t op, int32_t fd, uint64_t buffer_address,
+                           int64_t nbytes, int64_t file_offset, int64_t crc_bytes,
+                           ofl_aio_request **request_out);
+
+/* io_uring engines: register [address, address + nbytes) so that transfers use the pinned
+ * pages; *slot_out receives its slot for unregistering. The kernel takes at most 1 GiB
+ * per buffer, so a larger range is registered as consecutive pieces of at most
+ * OFL_AIO_BUFFER_PIECE_BYTES, one table slot each (all released by unregistering the
+ * returned slot); each block of a transfer uses the piece that holds it (a block across
+ * two pieces goes unregistered). -EOPNOTSUPP: not an io_uring engine, or this kernel has
+ * no sparse buffer tables; -ENOSPC: not enough free slots of OFL_AIO_MAX_BUFFERS;
+ * -ENOMEM: the memlock limit refuses the pinning; -EINVAL / -EFAULT: a bad range. */
 int32_t ofl_aio_register_buffer(ofl_aio_engine *engine, uint64_t address, int64_t nbytes, int32_t *slot_out);
 
 /* Forget a registered buffer; transfers already in flight keep their pages pinned
@@ -133,6 +147,11 @@ void ofl_aio_request_release(ofl_aio_request *request);
  * device's logical block size. Unset, it costs one load per transfer.
  * -EINVAL: NULL engine or nbytes < 0. */
 int32_t ofl_aio_test_cap_transfer_bytes(ofl_aio_engine *engine, int64_t nbytes);
+
+/* TEST ONLY. Register buffers in pieces of at most `nbytes` (a multiple of 4096) instead
+ * of OFL_AIO_BUFFER_PIECE_BYTES from now on, so that tests see a buffer cut into pieces
+ * without pinning gigabytes; 0 restores the default. -EINVAL: NULL engine or bad size. */
+int32_t ofl_aio_test_buffer_piece_bytes(ofl_aio_engine *engine, int64_t nbytes);
 
 /* CRC-32C (Castagnoli) of `nbytes` at `address`, continuing from `crc` (0 to start).
  * Uses SSE4.2 when the CPU has it. */

@@ -34,6 +34,7 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.states import StateStorage
 from offload.zero.unit_grads import UnitGradReducer
+from offload.zero.window import window_size
 
 logger = logging.getLogger(__name__)
 
@@ -245,12 +246,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         flat_grads = torch.zeros_like(flat_params)
 
     t0 = time.perf_counter()
-    tier, verdict, payload, commit = _open_tier(cfg, layout, ranks) if offloaded else (None, FRESH, None, None)
+    window = _state_window(cfg, layout) if device_kind == OffloadDevice.NVME else zero.offload_optimizer.buffer_count
+    tier, verdict, payload, commit = _open_tier(cfg, layout, ranks, window) if offloaded else (None, FRESH, None, None)
     try:
         if tier is not None and ranks.device.type == "cuda":
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
-                               device=ranks.device, window=zero.offload_optimizer.buffer_count)
+                               device=ranks.device, window=window)
         if verdict == RESUME:
             storage.adopt()
         else:
@@ -303,12 +305,23 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, facade, loader, scheduler
 
 
-def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo):
+def _state_window(cfg: EngineConfig, layout: FlatLayout) -> int:
+    """State blocks in host memory at once with nvme: what the host budget holds, buffer_count at least.
+    A daemon without ``offload.host_memory_bytes`` shares the node's memory: buffer_count there."""
+    floor = cfg.zero.offload_optimizer.buffer_count
+    if resolve_daemon_socket(cfg.offload) and cfg.offload.host_memory_bytes is None:
+        return floor
+    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None)
+    return window_size(plan.state_bytes, floor=floor, fixed_bytes=plan.resident_bytes,
+                       host_memory_bytes=cfg.offload.host_memory_bytes, what="optimizer state")
+
+
+def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: int):
     """The tier for the optimizer state, and what a daemon session already holds (offload.resume):
     (tier, verdict, committed state, commit region)."""
     zero = cfg.zero
     nvme = zero.offload_optimizer.device == OffloadDevice.NVME
-    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=zero.offload_optimizer.buffer_count, nvme=nvme,
+    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=nvme,
                       nvme_path=zero.offload_optimizer.nvme_path)
 
     def open_() -> Tier:

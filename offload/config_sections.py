@@ -278,7 +278,8 @@ class OffloadOptimizerConfig(_OffloadTarget):
     """zero_optimization.offload_optimizer: where the fp32 master weights and Adam moments live."""
 
     buffer_count: int = 4
-    """Host staging buffers for NVMe sub-groups (param, grad and two moments)."""
+    """NVMe: the fewest sub-group state blocks held in host memory at once; more where the host
+    memory budget holds them (offload.zero.window.window_size)."""
     pipeline_read: bool = False
     """NVMe: read sub-group i+1 while stepping i."""
     pipeline_write: bool = False
@@ -396,7 +397,8 @@ class OffloadSectionConfig:
     job_id: str | None = None
     """Job id the daemon keys sessions by; None: torchrun's $TORCHELASTIC_RUN_ID, else "default"."""
     host_memory_bytes: int | None = None
-    """Host memory budget of the tier; None: sized from the model."""
+    """Host memory budget of the tier; None: sized from the model (with nvme, from a share of the
+    memory available)."""
     swap_capacity_bytes: int | None = None
     """NVMe swap file size; None: sized from the model."""
     checksum: bool = True

@@ -38,6 +38,8 @@ class TierPlan:
     """The most host memory the engine's regions hold at once (page-rounded)."""
     swap_bytes: int
     """NVMe space for the regions that are evicted (page-rounded); 0 when host only."""
+    state_bytes: tuple[int, ...] = ()
+    """The page-rounded size of each sub-group's state block (what the NVMe window holds)."""
     nvme_path: str | None = None
     """Directory for the swap file (nvme)."""
     segment_bytes: int | None = None
@@ -144,4 +146,4 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
         resident += sum(align_up(s, PAGE) for s in states)
     swap = sum(align_up(s, PAGE) for s in states) if nvme else 0
     return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=resident, swap_bytes=swap,
-                    nvme_path=nvme_path)
+                    nvme_path=nvme_path, state_bytes=tuple(align_up(s, PAGE) for s in states))

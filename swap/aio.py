@@ -35,7 +35,7 @@ __all__ = [
     "linux_aio_errno",
 ]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ffi, lib = load_extension("csrc._aio", "ofl_aio_abi_version", ABI_VERSION, "the compiled I/O engine")
 
 KIND_LINUX_AIO = lib.OFL_AIO_KIND_LINUX_AIO
@@ -84,12 +84,13 @@ def force_crc32c_table_for_tests(on: bool) -> bool:
 class CRequest:
     """One submitted transfer. ``wait`` blocks for this request only."""
 
-    __slots__ = ("_engine", "_handle", "_final", "nbytes")
+    __slots__ = ("_engine", "_handle", "_final", "_crc", "nbytes")
 
     def __init__(self, engine: "CEngine", handle: Any, nbytes: int) -> None:
         self._engine = engine  # keeps the engine alive while this request lives
         self._handle = handle
         self._final: tuple[bool, int, int, int, int] | None = None
+        self._crc: int | None = None
         self.nbytes = nbytes
 
     def _engine_handle(self) -> Any:
@@ -118,7 +119,13 @@ class CRequest:
         res = (bool(out.done), int(out.error), int(out.bytes_done), int(out.submit_ns), int(out.complete_ns))
         if res[0]:
             self._final = res
+            self._crc = int(out.crc) if out.has_crc else None
         return res
+
+    def crc(self) -> int | None:
+        """Once done: the CRC-32C the engine's threads took (``submit(..., crc_bytes=)``), or None
+        (none was asked for, or the transfer failed)."""
+        return self._crc if self.result()[0] else None
 
 
 class CEngine:
@@ -134,9 +141,13 @@ class CEngine:
         raise_errno(lib.ofl_aio_engine_open(cfg, out), "ofl_aio_engine_open")
         self._handle = ffi.gc(out[0], lib.ofl_aio_engine_close)
 
-    def submit(self, op: int, fd: int, address: int, nbytes: int, file_offset: int) -> CRequest:
+    def submit(self, op: int, fd: int, address: int, nbytes: int, file_offset: int,
+               crc_bytes: int = -1) -> CRequest:
+        """Queue a transfer; with ``crc_bytes`` >= 0 the engine also takes the CRC-32C of that many
+        leading bytes of the buffer as the transfer's blocks complete (``CRequest.crc``)."""
         out = ffi.new("ofl_aio_request **")
-        raise_errno(lib.ofl_aio_submit(self._handle, op, fd, address, nbytes, file_offset, out), "ofl_aio_submit")
+        rc = lib.ofl_aio_submit_crc(self._handle, op, fd, address, nbytes, file_offset, crc_bytes, out)
+        raise_errno(rc, "ofl_aio_submit_crc")
         return CRequest(self, ffi.gc(out[0], lib.ofl_aio_request_release), nbytes)
 
     def register_buffer(self, address: int, nbytes: int) -> int:
@@ -151,6 +162,10 @@ class CEngine:
     def cap_transfer_bytes_for_tests(self, nbytes: int) -> None:
         """TEST ONLY: ask for at most ``nbytes`` per read/write syscall or submission (0: no cap)."""
         raise_errno(lib.ofl_aio_test_cap_transfer_bytes(self._handle, nbytes), "ofl_aio_test_cap_transfer_bytes")
+
+    def set_buffer_piece_bytes_for_tests(self, nbytes: int) -> None:
+        """TEST ONLY: register buffers in pieces of at most ``nbytes`` (0: the 1 GiB default)."""
+        raise_errno(lib.ofl_aio_test_buffer_piece_bytes(self._handle, nbytes), "ofl_aio_test_buffer_piece_bytes")
 
     def stats(self) -> dict[str, int]:
         out = ffi.new("ofl_aio_stats *")

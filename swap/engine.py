@@ -112,6 +112,10 @@ class IoRequest:
         done, err, moved, _, _ = self._c.result()
         return errno.EIO if done and not err and moved != self.nbytes else err
 
+    def crc(self) -> int | None:
+        """Once done without error: the CRC-32C asked for at submit; else None."""
+        return self._c.crc()
+
     def times_ns(self) -> tuple[int, int]:
         """(submitted, completed) on CLOCK_MONOTONIC; completed is 0 until done."""
         res = self._c.result()
@@ -138,7 +142,9 @@ class IoEngine:
     [Note: registered buffers] With io_uring, ``register_buffer`` pins a buffer (a host pool
     segment) once; transfers inside it then skip pinning their pages on every request,
     which is what makes io_uring read faster than Linux AIO here (see the swap bench).
-    Other engines accept the call and do nothing (it returns None)."""
+    The kernel refuses buffers over 1 GiB, so the C registers a larger one as pieces of at
+    most 1 GiB (one table slot each) and picks the piece per block. Other engines accept
+    the call and do nothing (it returns None)."""
 
     def __init__(self, config: IoEngineConfig, name: str, reason: str) -> None:
         self.config = config
@@ -153,15 +159,19 @@ class IoEngine:
         return self._c
 
     def submit(self, op: int, fd: int, address: int, nbytes: int, file_offset: int,
-               keepalive: Any = None) -> IoRequest:
-        """Queue a transfer at a raw address the caller keeps valid (``keepalive`` is held until done)."""
+               keepalive: Any = None, crc_bytes: int = -1) -> IoRequest:
+        """Queue a transfer at a raw address the caller keeps valid (``keepalive`` is held until done);
+        with ``crc_bytes`` >= 0 the engine's threads take the CRC-32C of that many leading bytes as
+        the blocks complete (``IoRequest.crc``), so the thread that waits does not."""
         if nbytes < 0 or file_offset < 0:
             raise ConfigError(f"nbytes and file_offset must be >= 0, got {nbytes} and {file_offset}")
         if (address | nbytes | file_offset) % _SECTOR_BYTES and _is_direct(fd):
             raise ConfigError(f"misaligned O_DIRECT transfer on fd {fd}: address {address:#x}, nbytes {nbytes} "
                               f"and file_offset {file_offset} must all be multiples of {_SECTOR_BYTES} "
                               f"(see [Note: alignment])")
-        c = self._engine().submit(op, fd, address, nbytes, file_offset)
+        if not -1 <= crc_bytes <= nbytes:
+            raise ConfigError(f"crc_bytes must be -1 (none) or in [0, nbytes {nbytes}], got {crc_bytes}")
+        c = self._engine().submit(op, fd, address, nbytes, file_offset, crc_bytes)
         return IoRequest(c, keepalive, op, fd, nbytes, file_offset)
 
     def read(self, fd: int, buffer: Any, file_offset: int) -> IoRequest:
@@ -194,6 +204,10 @@ class IoEngine:
         SQE), so that every larger block moves as short transfers that the engine must continue
         (with O_DIRECT, a multiple of the logical block size); 0 removes the cap."""
         self._engine().cap_transfer_bytes_for_tests(nbytes)
+
+    def set_buffer_piece_bytes_for_tests(self, nbytes: int) -> None:
+        """TEST ONLY: register buffers in pieces of at most ``nbytes`` from now on (0: 1 GiB)."""
+        self._engine().set_buffer_piece_bytes_for_tests(nbytes)
 
     def unregister_buffer(self, slot: int | None) -> None:
         """Forget a buffer that ``register_buffer`` returned ``slot`` for (None: nothing to do)."""

@@ -2,9 +2,10 @@
 
 A region's placements are split into chunks of at most ``chunk_bytes``; each chunk is
 one engine request and carries one CRC-32C, taken over the chunk's logical bytes
-(padding excluded). Checksums are computed or verified as each chunk completes, while
-later chunks are still in flight, so they cost no wall time while the disk is the
-bottleneck. Errors are turned into exceptions that name the region and the swap file.
+(padding excluded). The engine's own I/O threads take each chunk's CRC as its blocks
+complete (``crc_bytes`` at submit), so neither the thread that waits nor the wait itself
+pays for it; here it is only kept (write) or compared (read). Errors are turned into
+exceptions that name the region and the swap file.
 """
 from __future__ import annotations
 
@@ -57,7 +58,6 @@ class RegionTransfer:
         self.nbytes = nbytes  # logical
         self.write = write
         self.chunks = chunks
-        self._address = host_address
         self._space = space
         self._checksum = checksum
         self.expected = expected if checksum else None
@@ -71,7 +71,9 @@ class RegionTransfer:
         self._requests: list[IoRequest] = []
         for c in chunks:
             fd = space.files[c.file_index].fd
-            self._requests.append(engine.submit(op, fd, host_address + c.region_offset, c.nbytes, c.file_offset))
+            crc_bytes = max(0, min(c.nbytes, nbytes - c.region_offset)) if checksum else -1  # logical bytes
+            self._requests.append(engine.submit(op, fd, host_address + c.region_offset, c.nbytes, c.file_offset,
+                                                crc_bytes=crc_bytes))
         self._checked = 0  # chunks whose outcome has been looked at
         self._wait_lock = threading.Lock()
 
@@ -129,7 +131,9 @@ class RegionTransfer:
             return None
         lo = c.region_offset
         hi = min(c.region_offset + c.nbytes, self.nbytes)
-        crc = aio.crc32c(self._address + lo, max(0, hi - lo))
+        crc = req.crc()
+        if crc is None:  # an engine's request always carries it after a success; say so if not
+            return SwapIOError(errno.EIO, f"{verb} of region {self.name!r}: the I/O engine returned no checksum")
         if self.write:
             self.checksums.append(crc)
         elif self.expected is not None and crc != self.expected[i]:

@@ -10,12 +10,23 @@ Stage 2 reduces every micro-step and adds into the fp32 accumulators; stages 0 a
 reduce only at the accumulation boundary. Reductions are sums: the 1/world_size of the
 average is folded into the Adam pass's gradient multiplier (``offload.precision``).
 
-The landing (``land(bucket, shard, first, final)``) is the optimizer's: it copies or adds
-the shard into the sub-groups' accumulators and takes the sum of squares while the
-bytes are still in cache.
+The landing (``land(bucket, source, first, final, zero_source)``) is the optimizer's: it copies
+or adds the shard into the sub-groups' accumulators and takes the sum of squares in the same
+pass; where the shard is the flat buffer's own bucket it may zero it on the way (it says so),
+and only otherwise is the bucket zeroed here ([Note: landing] in ``offload.zero.optimizer``).
+
+[Note: gradients straight from autograd]
+On one rank (stages 0-2, CPU), when a micro-step reduces and the flat buffer is all zeros
+(every micro-step but the non-reducing ones of stages 0-1 under accumulation), ``.grad`` is
+set to None before backward, as torch's ``zero_grad(set_to_none=True)`` does: autograd then
+hands each parameter its gradient as is, instead of adding it into a zeroed view (a read of
+both and a write per element), and the bucket lands from those tensors. They stay the
+parameters' ``.grad`` until the next backward; the flat buffer stays zero.
+
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from typing import Any, Callable, Sequence
 
@@ -28,7 +39,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GradReducer"]
 
-Land = Callable[[Bucket, torch.Tensor, bool, bool], None]
+Source = Callable[[int, int], list[tuple[int, torch.Tensor]]]
+"""(flat start, numel) -> the 1-D tensors holding that range of a bucket's reduced gradient, each
+with its offset into the range, in order."""
+Land = Callable[[Bucket, Source, bool, bool, bool], bool]
 
 
 class GradReducer:
@@ -53,6 +67,13 @@ class GradReducer:
             for i in b.slots:
                 self._bucket_of[i] = b.index
         self._views = [flat_grads[s.offset:s.offset + s.numel].view(s.shape) for s in layout.slots]
+        self._order = sorted(range(len(layout.slots)), key=lambda i: layout.slots[i].offset)  # buffer order
+        self._starts = [layout.slots[i].offset for i in self._order]
+        self._may_steal = comm_world == 1 and stage < 3 and flat_grads.is_cpu  # [Note: gradients straight ...]
+        self._stealing = False
+        self._stolen: list[torch.Tensor | None] = []
+        self._attached = True
+        self._zeros = True  # the flat buffer is all zeros
         self._pending_count: list[int] = []
         self._launched: list[bool] = []
         self._inflight: list[tuple[Bucket, torch.Tensor, object]] = []
@@ -67,15 +88,20 @@ class GradReducer:
         """Point every parameter's ``.grad`` at its view of the flat buffer."""
         for p, view in zip(self.params, self._views):
             p.grad = view
+        self._attached = True
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def on_grad(param: torch.Tensor) -> None:
             view = self._views[index]
-            grad = param.grad
-            if grad is None or grad.data_ptr() != view.data_ptr():  # .grad was reset: bring it home
-                if grad is not None:
-                    view.add_(grad)
-                param.grad = view
+            if self._stealing:
+                grad = param.grad
+                self._stolen[index] = grad.contiguous() if grad is not None else None
+            else:
+                grad = param.grad
+                if grad is None or grad.data_ptr() != view.data_ptr():  # .grad was reset: bring it home
+                    if grad is not None:
+                        view.add_(grad)
+                    param.grad = view
             if self._active:
                 b = self._bucket_of[index]
                 self._pending_count[b] -= 1
@@ -89,6 +115,37 @@ class GradReducer:
         self._first, self._final = first, final
         self._pending_count = [len(b.slots) for b in self.layout.buckets]
         self._launched = [False] * len(self.layout.buckets)
+        self._stealing = reduce and self._may_steal and self._zeros
+        if self._stealing:
+            for p in self.params:
+                p.grad = None
+            self._stolen = [None] * len(self.params)
+            self._attached = False
+        elif not self._attached:
+            self.attach_grads()
+        if not reduce:
+            self._zeros = False
+
+    def _stolen_source(self, start: int, numel: int) -> list[tuple[int, torch.Tensor]]:
+        """The range's gradient from the tensors autograd handed over; the flat buffer's zeros where
+        a parameter got none (unused) and in padding."""
+        out, pos, end = [], start, start + numel
+        k = max(0, bisect.bisect_right(self._starts, start) - 1)
+        while pos < end:
+            slot = self.layout.slots[self._order[k]] if k < len(self._order) else None
+            if slot is None or pos < slot.offset:  # padding before the next slot (or at the end)
+                stop = end if slot is None else min(end, slot.offset)
+                out.append((pos - start, self.flat_grads[pos:stop]))
+                pos = stop
+                continue
+            stop = min(end, slot.offset + slot.numel)
+            if stop > pos:
+                g = self._stolen[slot.index]
+                flat = g.view(-1) if g is not None else self._views[slot.index].view(-1)
+                out.append((pos - start, flat[pos - slot.offset:stop - slot.offset]))
+                pos = stop
+            k += 1
+        return out
 
     def _launch(self, b: Bucket) -> None:
         self._launched[b.index] = True
@@ -97,8 +154,10 @@ class GradReducer:
             if self._fetcher is not None and buf.is_cuda:
                 self._start_offload(b, buf)
                 return
-            self._land(b, buf, self._first, self._final)
-            buf.zero_()
+            if self._stealing:
+                self._land(b, self._stolen_source, self._first, self._final, False)
+            elif not self._land(b, shard_source(buf, b.start), self._first, self._final, True):
+                buf.zero_()
             return
         if self.stage == 0:
             work = dist.all_reduce(buf, group=self.group, async_op=True)
@@ -123,14 +182,18 @@ class GradReducer:
             if self._fetcher is not None and shard.is_cuda:
                 self._start_offload(b, shard)
                 continue
-            self._land(b, shard, self._first, self._final)
-            self.flat_grads[b.start:b.start + b.numel].zero_()
+            in_place = self.stage == 0  # the all-reduced bucket is the flat buffer's own
+            base = b.start if in_place else b.shard_start(self.layout.rank)
+            if not self._land(b, shard_source(shard, base), self._first, self._final, in_place):
+                self.flat_grads[b.start:b.start + b.numel].zero_()
         offloading, self._offloading = self._offloading, []
         for b, host, pending in offloading:
             self._fetcher.wait_offload(pending)
             self._land(b, host, self._first, self._final)
             self.flat_grads[b.start:b.start + b.numel].zero_()  # after the copy read it (waited above)
         self._active = False
+        self._stealing = False
+        self._zeros = True
 
     def _start_offload(self, b: Bucket, src: torch.Tensor) -> None:
         """A reduced bucket (or shard) to its pinned host buffer, on the D2H stream; landed in ``end``."""
@@ -140,10 +203,19 @@ class GradReducer:
         self._offloading.append((b, host, self._fetcher.start_offload([(host, src)])))
 
     def zero(self) -> None:
-        self.flat_grads.zero_()
+        if not self._zeros:
+            self.flat_grads.zero_()
+            self._zeros = True
         self.attach_grads()
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def shard_source(shard: torch.Tensor, base: int) -> Source:
+    """The source of a reduced shard that starts at flat element ``base``."""
+    def source(start: int, numel: int) -> list[tuple[int, torch.Tensor]]:
+        return [(0, shard[start - base:start - base + numel])]
+    return source

@@ -17,8 +17,9 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-from cpu_adam import AdamConfig, adam_step, grad_sumsq
+from cpu_adam import AdamConfig, adam_step, grad_land, grad_sumsq
 from csrc import ConfigError
+from offload.zero.grads import Source, shard_source
 from offload.zero.layout import Bucket, FlatLayout, Piece, SubGroup
 from offload.zero.states import StateStorage
 
@@ -54,6 +55,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
         self._zero_grad()
+
+
+# [Note: landing]
+# Gradients reach the fp32 accumulators in one pass per bucket (cpu_adam.grad_land): copy at a
+# cycle's first micro-step, add at later ones, the sum of squares for the clip norm taken from
+# the landed values in the same pass, and, where the shard is the flat gradient buffer itself
+# (stage 0's all-reduce in place, or one rank accumulating), the buffer zeroed as it is read so
+# that the next backward accumulates into zeros without a separate zeroing pass. Three passes
+# over the gradient (copy, sum of squares, zero) become one; on one rank the source is usually
+# autograd's own gradients ([Note: gradients straight from autograd] in offload.zero.grads).
 
 
 class PartitionedAdam:
@@ -95,21 +106,40 @@ class PartitionedAdam:
         for sg in layout.sub_groups:
             for piece in sg.pieces:
                 self._by_bucket.setdefault(piece.bucket, []).append((sg.index, piece))
+        # whether a bucket's pieces cover its whole shard (then zeroing them zeroes the shard)
+        self._covers = [sum(p.numel for _, p in self._by_bucket.get(b.index, ())) == b.shard_numel
+                        for b in layout.buckets]
 
     # -- gradients ---------------------------------------------------------------------------
 
-    def land(self, bucket: Bucket, shard: torch.Tensor, first: bool, final: bool) -> None:
-        """Copy (first micro-step) or add a reduced bucket shard into the accumulators."""
-        base = bucket.shard_start(self.layout.rank)
-        for sg, piece in self._by_bucket.get(bucket.index, ()):
-            src = shard[piece.flat_start - base:piece.flat_start - base + piece.numel]
-            dst = self.storage.grad(sg)[piece.sub_start:piece.sub_start + piece.numel]
+    def land(self, bucket: Bucket, source: Source | torch.Tensor, first: bool, final: bool,
+             zero_source: bool = False) -> bool:
+        """Copy (first micro-step) or add a bucket's reduced gradient, read through ``source`` (or this
+        rank's shard of it as one tensor), into the accumulators, taking the sum of squares in the same
+        pass at the cycle's last micro-step. With ``zero_source`` the source (the bucket's shard) may be
+        zeroed as it is read; returns True if it was (every element of the shard is zero now)."""
+        if isinstance(source, torch.Tensor):
+            source = shard_source(source, bucket.shard_start(self.layout.rank))
+        dsts, srcs = [], []
+        for sg, p in self._by_bucket.get(bucket.index, ()):
+            acc = self.storage.grad(sg)
+            for off, src in source(p.flat_start, p.numel):
+                dsts.append(acc[p.sub_start + off:p.sub_start + off + src.numel()])
+                srcs.append(src)
+        if all(t.is_cpu for t in srcs) and all(d.is_cpu for d in dsts):  # one fused C pass ([Note: landing])
+            zero = zero_source and self._covers[bucket.index]
+            total = grad_land(dsts, srcs, accumulate=not first, zero_sources=zero, num_threads=self.num_threads)
+            if final:
+                self.sumsq += total
+            return zero
+        for src, dst in zip(srcs, dsts):
             if first:
                 dst.copy_(src)
             else:
                 dst.add_(src)
             if final:
                 self.sumsq += _sumsq(dst, self.num_threads)
+        return False
 
     def global_sumsq(self) -> float:
         """The sum of squares of the whole (summed, scaled) gradient, over all ranks; resets the tally."""

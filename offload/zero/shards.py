@@ -4,21 +4,22 @@ With ``offload_param`` none the shards are one tensor on the model's device (the
 partition, unit after unit). With cpu or nvme each unit's shard is a region ``param.<unit>``
 of the tier (the embedded ``TierStore``; the same verbs as the optimizer's), seen through
 ``host_view``. With nvme a shard is on NVMe unless it is being used or was prefetched for
-use, and at most ``window`` shards hold host memory at once ([Note: shard window]); the
-host pool is sized for ``window`` of the largest shard, so no unit is ever too large for it.
+use, and at most ``window`` shards hold host memory at once (``offload.zero.window.HostWindow``,
+which drops a prefetched shard nobody holds when it needs room); the host pool is sized for
+``window`` of the largest shard, so no unit is ever too large for it.
 """
 from __future__ import annotations
 
 import collections
 import enum
 import logging
-import time
 from typing import Any, Iterable
 
 import torch
 
 from csrc import ConfigError
 from offload.zero.layout import FlatLayout, Piece
+from offload.zero.window import HostWindow
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,18 @@ class ShardStore:
             part += b.shard_numel
         self._flat: torch.Tensor | None = None
         self._place = [ShardPlacement.DEVICE if tier is None else ShardPlacement.HOST for _ in layout.buckets]
-        self._handles: dict[int, Any] = {}
-        self._evicting: collections.deque[int] = collections.deque()
         self._pins = [0] * len(layout.buckets)
         self._held_for_write: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
-        self.io_wait_seconds = 0.0
-        self.prefetches_started = 0
+        self._window = HostWindow(tier, self._place, ShardPlacement, size=self.window, name=self._name,
+                                  label=lambda b: f"unit {b}'s shard", noun="shards", drop_idle=self._idle)
+
+    @property
+    def io_wait_seconds(self) -> float:
+        return self._window.io_wait_seconds
+
+    @property
+    def prefetches_started(self) -> int:
+        return self._window.prefetches_started
 
     def _name(self, b: int) -> str:
         return f"param.{b}"
@@ -73,7 +80,7 @@ class ShardStore:
             return
         for b in self.layout.buckets:
             if self.nvme:
-                self._make_room()
+                self._window.make_room()
             self.tier.allocate(self._name(b.index), b.shard_numel * self.itemsize)
             self._place[b.index] = ShardPlacement.RESIDENT if self.nvme else ShardPlacement.HOST
             self._view(b.index).zero_()
@@ -87,64 +94,23 @@ class ShardStore:
         return torch.frombuffer(self.tier.host_view(self._name(b)), dtype=self.dtype,
                                 count=self.layout.buckets[b].shard_numel)
 
-    # -- [Note: shard window] ---------------------------------------------------------------
-    # With nvme, shards that are prefetched, resident or being evicted hold host memory; at
-    # most `window` of them. To make room the oldest evict is waited for, else a resident
-    # shard that nobody holds (a prefetch not yet used) is dropped (it is clean: no write).
-
-    def _held(self) -> int:
-        return sum(1 for p in self._place if p in (ShardPlacement.IN_FLIGHT, ShardPlacement.RESIDENT))
-
-    def _make_room(self) -> bool:
-        while self._held() >= self.window:
-            if self._evicting:
-                self._finish_evict(self._evicting.popleft())
-                continue
-            idle = [b for b, p in enumerate(self._place) if p == ShardPlacement.RESIDENT and not self._pins[b]]
-            if not idle:
-                return False
-            self._evict(idle[0])
-        return True
-
-    def _finish_evict(self, b: int) -> None:
-        t0 = time.perf_counter()
-        self.tier.wait_for_evict(self._handles.pop(b))
-        self.io_wait_seconds += time.perf_counter() - t0
-        self._place[b] = ShardPlacement.NVME
+    def _idle(self) -> int | None:
+        """A resident shard that nobody holds (a prefetch not yet used): clean, so dropped for room."""
+        return next((b for b, p in enumerate(self._place) if p == ShardPlacement.RESIDENT and not self._pins[b]), None)
 
     def _evict(self, b: int) -> None:
-        if not self.nvme or self._place[b] != ShardPlacement.RESIDENT:
-            return
-        self._handles[b] = self.tier.evict([self._name(b)])
-        self._place[b] = ShardPlacement.IN_FLIGHT
-        self._evicting.append(b)
+        if self.nvme and self._place[b] == ShardPlacement.RESIDENT:
+            self._window.evict(b)
 
     def prefetch(self, units: Iterable[int]) -> None:
         """Start bringing shards from NVMe to host memory while the window has room (no-op otherwise)."""
-        if not self.nvme:
-            return
-        for b in units:
-            if self._place[b] == ShardPlacement.IN_FLIGHT and b in self._evicting:
-                self._evicting.remove(b)
-                self._finish_evict(b)
-            if self._place[b] != ShardPlacement.NVME:
-                continue
-            if not self._make_room():
-                return
-            self._handles[b] = self.tier.prefetch([self._name(b)])
-            self._place[b] = ShardPlacement.IN_FLIGHT
-            self.prefetches_started += 1
+        if self.nvme:
+            self._window.prefetch(units)
 
     def acquire(self, b: int) -> torch.Tensor:
         """The shard of unit ``b`` (held until ``release``), waiting for or starting its prefetch."""
-        if self.nvme and self._place[b] != ShardPlacement.RESIDENT:
-            self.prefetch([b])
-            if self._place[b] == ShardPlacement.NVME:
-                raise ConfigError(f"no room to bring unit {b}'s shard in: {self.window} shards are held")
-            t0 = time.perf_counter()
-            self.tier.wait_for_prefetch(self._handles.pop(b))
-            self.io_wait_seconds += time.perf_counter() - t0
-            self._place[b] = ShardPlacement.RESIDENT
+        if self.nvme:
+            self._window.bring_in(b)
         self._pins[b] += 1
         return self._view(b)
 
@@ -177,8 +143,7 @@ class ShardStore:
         self.drain()
 
     def drain(self) -> None:
-        while self._evicting:
-            self._finish_evict(self._evicting.popleft())
+        self._window.drain()
 
     def bytes_by_tier(self) -> dict[str, int]:
         out = {"device": 0, "host": 0, "nvme": 0}
@@ -191,12 +156,7 @@ class ShardStore:
         if self.tier is None:
             self._flat = None
             return
-        for b in list(self._handles):
-            try:
-                (self.tier.wait_for_evict if b in self._evicting else self.tier.wait_for_prefetch)(self._handles.pop(b))
-            except Exception as exc:  # closing anyway: say what was lost
-                logger.warning("on close, param shard %d: %s", b, exc)
-        self._evicting.clear()
+        self._window.settle("param shard")
         for b in self.layout.buckets:
             try:
                 self.tier.free(self._name(b.index))

@@ -8,20 +8,19 @@ With ``offload_optimizer`` none they are torch tensors on the model's device. Wi
 nvme they are regions of the tier (the embedded ``TierStore`` or the daemon's
 ``TierClient``: the same verbs), seen through ``host_view`` with no copy. With nvme the
 state blocks go back to NVMe after each step and are prefetched for the next one, at
-most ``window`` of them in host memory at once ([Note: state window]).
+most ``window`` of them in host memory at once (``offload.zero.window.HostWindow``).
 """
 from __future__ import annotations
 
-import collections
 import enum
 import logging
-import time
 from typing import Any, Callable, Iterable
 
 import torch
 
 from csrc import ConfigError
 from offload.zero.layout import FlatLayout, SubGroup
+from offload.zero.window import HostWindow
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +54,13 @@ class StateStorage:
         self._prefix = prefix
         self._tensors: dict[str, torch.Tensor] = {}  # device tensors (none), or cached host views (cpu)
         self._placement = [Placement.DEVICE if tier is None else Placement.HOST for _ in layout.sub_groups]
-        self._handles: dict[int, Any] = {}  # sub-group -> pending prefetch or evict handle
-        self._evicting: collections.deque[int] = collections.deque()
-        self.io_wait_seconds = 0.0
+        self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
+                                  label=lambda sg: f"sub-group {sg}", noun="blocks")
+
+    @property
+    def io_wait_seconds(self) -> float:
+        """Seconds spent waiting for prefetches and evicts since the start."""
+        return self._window.io_wait_seconds
 
     # -- names and views ------------------------------------------------------------------
 
@@ -86,7 +89,7 @@ class StateStorage:
             else:
                 self.tier.allocate(self._grad_name(sg.index), n * F32)
                 self._view(self._grad_name(sg.index), n, cache=True).zero_()
-                self._make_room()
+                self._window.make_room()
                 self.tier.allocate(self._state_name(sg.index), 3 * n * F32)
                 self._placement[sg.index] = Placement.RESIDENT if self.nvme else Placement.HOST
                 self.state(sg.index).zero_()
@@ -104,7 +107,7 @@ class StateStorage:
             held = [n for n in names if self.tier.info(n).tier.value != "nvme"]
             if held:
                 self.tier.wait_for_evict(self.tier.evict(held))
-            self._placement = [Placement.NVME for _ in self.layout.sub_groups]
+            self._placement[:] = [Placement.NVME for _ in self.layout.sub_groups]
 
     def grad(self, sg: int) -> torch.Tensor:
         """The fp32 gradient accumulator of a sub-group (always resident)."""
@@ -136,92 +139,42 @@ class StateStorage:
             raise ConfigError(f"sub-group {sg}'s state is {where.value}: acquire it first")
         return self._view(name, 3 * self.layout.sub_groups[sg].numel, cache=False)
 
-    # -- [Note: state window] -------------------------------------------------------------
-    # With nvme, at most `window` state blocks hold host memory at once: those being
-    # prefetched, resident, or being evicted. A prefetch that would exceed it first waits
-    # for the oldest evict; if nothing is being evicted it is not started (the step's
-    # acquire starts it later). The host pool is sized for the window, so a prefetch never
-    # finds the pool full.
-
-    def _held(self) -> int:
-        return sum(1 for p in self._placement if p in (Placement.IN_FLIGHT, Placement.RESIDENT))
-
-    def _make_room(self) -> bool:
-        while self._held() >= self.window:
-            if not self._evicting:
-                return False
-            self._finish_evict(self._evicting.popleft())
-        return True
-
-    def _finish_evict(self, sg: int) -> None:
-        t0 = time.perf_counter()
-        self.tier.wait_for_evict(self._handles.pop(sg))
-        self.io_wait_seconds += time.perf_counter() - t0
-        self._placement[sg] = Placement.NVME
+    # -- the window (offload.zero.window) ------------------------------------------------
 
     def prefetch(self, sgs: Iterable[int]) -> None:
         """Start bringing state blocks to host memory, in order, while the window has room."""
-        if not self.nvme:
-            return
-        for sg in sgs:
-            if self._placement[sg] == Placement.IN_FLIGHT and sg in self._evicting:
-                self._evicting.remove(sg)
-                self._finish_evict(sg)
-            if self._placement[sg] != Placement.NVME:
-                continue
-            if not self._make_room():
-                return
-            self._handles[sg] = self.tier.prefetch([self._state_name(sg)])
-            self._placement[sg] = Placement.IN_FLIGHT
+        if self.nvme:
+            self._window.prefetch(sgs)
 
     def acquire(self, sg: int) -> torch.Tensor:
         """The state block of ``sg``, waiting for (or starting) its prefetch."""
         if self.nvme:
-            if self._placement[sg] != Placement.RESIDENT:
-                self.prefetch([sg])
-                if self._placement[sg] == Placement.NVME:  # the window is full of resident blocks
-                    raise ConfigError(f"no room to bring sub-group {sg} in: {self.window} blocks are held")
-                t0 = time.perf_counter()
-                self.tier.wait_for_prefetch(self._handles.pop(sg))
-                self.io_wait_seconds += time.perf_counter() - t0
-                self._placement[sg] = Placement.RESIDENT
+            self._window.bring_in(sg)
         return self.state(sg)
 
     def release(self, sg: int, *, dirty: bool) -> None:
         """Done with a state block: with nvme, write it back if ``dirty`` and free its host copy (async)."""
         if not self.nvme or self._placement[sg] != Placement.RESIDENT:
             return
-        name = self._state_name(sg)
         if dirty:
-            self.tier.mark_dirty(name)
-        self._handles[sg] = self.tier.evict([name])
-        self._placement[sg] = Placement.IN_FLIGHT
-        self._evicting.append(sg)
+            self.tier.mark_dirty(self._state_name(sg))
+        self._window.evict(sg)
 
     def drain(self) -> None:
         """Wait for every evict in flight."""
-        while self._evicting:
-            self._finish_evict(self._evicting.popleft())
+        self._window.drain()
 
     def cancel_prefetches(self) -> None:
         """Give back state blocks brought in for a step that will not run (an fp16 overflow)."""
         for sg, where in enumerate(self._placement):
-            if where == Placement.IN_FLIGHT and sg not in self._evicting:
+            if where == Placement.IN_FLIGHT and sg not in self._window.evicting:
                 self.acquire(sg)
             if self._placement[sg] == Placement.RESIDENT:
                 self.release(sg, dirty=False)
 
     def poll(self) -> None:
         """Retire evicts that have finished, without waiting for any."""
-        while self._evicting:
-            sg = self._evicting[0]
-            try:
-                self.tier.wait_for_evict(self._handles[sg], timeout_seconds=0)
-            except TimeoutError:
-                return
-            self._evicting.popleft()
-            del self._handles[sg]
-            self._placement[sg] = Placement.NVME
+        self._window.poll()
 
     def bytes_by_tier(self, *, poll: bool = True) -> dict[str, int]:
         """Bytes of state blocks per tier now (grads not counted); "in_flight" while a transfer has them.
@@ -239,13 +192,7 @@ class StateStorage:
         if self.tier is None:
             self._tensors.clear()
             return
-        for sg in list(self._handles):
-            handle = self._handles.pop(sg)
-            try:
-                (self.tier.wait_for_evict if sg in self._evicting else self.tier.wait_for_prefetch)(handle)
-            except Exception as exc:  # closing anyway: say what was lost
-                logger.warning("on close, sub-group %d: %s", sg, exc)
-        self._evicting.clear()
+        self._window.settle("sub-group")
         self._tensors.clear()
         for sg in self.layout.sub_groups:
             for name in (self._state_name(sg.index), self._grad_name(sg.index)):

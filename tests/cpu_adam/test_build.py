@@ -18,7 +18,7 @@ HEADER = pathlib.Path(kernels.__file__).resolve().parents[1] / "csrc" / "ofl_ada
 def test_stale_or_missing_build_names_the_fix():
     ffi, lib_again = load_extension("csrc._adam", "ofl_adam_abi_version", kernels.ABI_VERSION, "Adam")
     assert lib_again is lib
-    with pytest.raises(BuildError, match=r"stale build \(ABI 2, this code needs 0\).*pip install -e \."):
+    with pytest.raises(BuildError, match=rf"stale build \(ABI {kernels.ABI_VERSION}, this code needs 0\).*pip install -e \."):
         load_extension("csrc._adam", "ofl_adam_abi_version", 0, "the Adam kernels")
     with pytest.raises(BuildError, match=r"the Adam kernels \(csrc._nothing\) is missing.*pip install"):
         load_extension("csrc._nothing", "ofl_adam_abi_version", 1, "the Adam kernels")

@@ -5,8 +5,9 @@ Contenders, each with its own copy of the same model (same seed) and the same ba
   none         offload.initialize, optimizer state on the model's device
   cpu          offload_optimizer cpu: fp32 master + moments in host memory (the tier)
   nvme         offload_optimizer nvme, swap file under --nvme-path, ``buffer_count`` state
-               blocks in host memory at most, CRC-32C on every transfer unless "nocrc" (one
-               contender per --nvme spec: COUNT or COUNT:nocrc)
+               blocks in host memory at least (as many as the host memory budget holds),
+               CRC-32C on every transfer unless "nocrc" (one contender per --nvme spec:
+               COUNT or COUNT:nocrc)
 
 A step is one training iteration: forward, backward and the optimizer step. In every round
 each contender runs --steps-per-round consecutive steps, in an order that rotates from
@@ -18,7 +19,7 @@ contender: the median step time over all measured steps, the optimizer step alon
 median over rounds of the paired ratio of its step time to torch's in the same round.
 
 Usage: python tools/bench/bench_step.py [--rounds 3] [--steps-per-round 3] [--batch 2]
-       [--seq 128] [--nvme-path DIR] [--nvme 4 32 32:nocrc] [--out FILE]
+       [--seq 128] [--nvme-path DIR] [--nvme 4 4:nocrc] [--daemon-ranks N] [--out FILE]
        python tools/bench/bench_step.py --stage3 ...   (the stage 3 rows: tools/bench/step_stage3.py)
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--nvme-path", default=None, help="directory for the swap file (default: a temporary one)")
-    ap.add_argument("--nvme", nargs="*", default=["4", "32", "32:nocrc"],
+    ap.add_argument("--nvme", nargs="*", default=["4", "4:nocrc"],
                     help="one nvme contender per spec: buffer_count, with :nocrc for no checksums")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     ap.add_argument("--daemon-ranks", type=int, default=0,
