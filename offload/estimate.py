@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from csrc import ConfigError
+from offload.zero.window import window_size
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,12 @@ class EstimateInput:
     sub_group_size: int = 1_000_000_000
     """zero_optimization.sub_group_size."""
     optimizer_buffer_count: int = 4
-    """offload_optimizer.buffer_count (state blocks in host memory with nvme)."""
+    """offload_optimizer.buffer_count (state blocks in host memory with nvme: the window's floor)."""
+    host_memory_bytes: int | None = None
+    """offload.host_memory_bytes: the budget the engine sizes the optimizer state's NVMe window from;
+    None: as the engine does, from the memory available on this machine now (``offload.zero.window.window_size``)."""
+    daemon: bool = False
+    """Through a node daemon without ``host_memory_bytes``: the window is buffer_count blocks."""
     param_buffer_count: int = 5
     """offload_param.buffer_count (shards in host memory with nvme)."""
     max_live: int = 1_000_000_000
@@ -154,13 +160,14 @@ class EstimateInput:
     def from_config(cls, config: Any, shapes: ModelShapes, *, world_size: int = 1,
                     baseline_bytes: int = 0) -> "EstimateInput":
         """From an engine config (a dict or a JSON path, as ``initialize`` takes it)."""
-        from offload.config import read_config
+        from offload.config import read_config, resolve_daemon_socket
 
         cfg = read_config(config, world_size=world_size)
         z = cfg.zero
         itemsize = 2 if (cfg.bf16.enabled or cfg.fp16.enabled) else 4
         return cls(shapes=shapes, world_size=world_size, compute_bytes=itemsize, sub_group_size=z.sub_group_size,
                    optimizer_buffer_count=z.offload_optimizer.buffer_count,
+                   host_memory_bytes=cfg.offload.host_memory_bytes, daemon=bool(resolve_daemon_socket(cfg.offload)),
                    param_buffer_count=z.offload_param.buffer_count, max_live=z.stage3_max_live_parameters,
                    baseline_bytes=baseline_bytes)
 
@@ -226,8 +233,11 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput) -> list[tu
     states = [_up(12 * n, PAGE) for n in numels]
     if device == "cpu":
         return [("fp32 gradient accumulators", "host", grads), ("fp32 master + moments", "host", sum(states))]
-    window = sum(sorted(states, reverse=True)[:max(2, inp.optimizer_buffer_count)])
-    return [("fp32 gradient accumulators", "host", grads), ("state blocks in flight (buffer_count)", "host", window),
+    floor = max(2, inp.optimizer_buffer_count)
+    blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
+        states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate: optimizer state")
+    window = sum(sorted(states, reverse=True)[:blocks])
+    return [("fp32 gradient accumulators", "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
             ("fp32 master + moments", "nvme", sum(states))]
 
 
