@@ -18,7 +18,7 @@ from offload.tiers import packed_quota_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POOL_SHARE", "daemon_window_size", "daemon_state_window"]
+__all__ = ["POOL_SHARE", "blocks_in_quota", "daemon_state_window", "daemon_window_size", "reattached_window"]
 
 POOL_SHARE = 2
 """The ranks of one job take at most 1/POOL_SHARE of the daemon's pool: the rest is for other jobs."""
@@ -46,13 +46,35 @@ def daemon_window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: i
     budget = min(pool_capacity_bytes // POOL_SHARE, max(0, pool_free_bytes)) // ranks
     if max_quota_bytes > 0:
         budget = min(budget, max_quota_bytes)
+    return max(floor, blocks_in_quota(block_bytes, fixed_bytes=fixed_bytes, largest_region_bytes=largest_region_bytes,
+                                      segment_bytes=segment_bytes, quota_bytes=budget)), budget
+
+
+def blocks_in_quota(block_bytes: Sequence[int], *, fixed_bytes: int, largest_region_bytes: int, segment_bytes: int,
+                    quota_bytes: int) -> int:
+    """How many of the largest ``block_bytes`` a session of ``quota_bytes`` holds beside ``fixed_bytes``,
+    its regions packed in ``segment_bytes`` segments as ``packed_quota_bytes`` packs them."""
     fit, held = 0, fixed_bytes
     for b in sorted(block_bytes, reverse=True):
         held += b
-        if packed_quota_bytes(_align(held), largest_region_bytes, segment_bytes) > budget:
+        if packed_quota_bytes(_align(held), largest_region_bytes, segment_bytes) > quota_bytes:
             break
         fit += 1
-    return max(floor, fit), budget
+    return fit
+
+
+def reattached_window(store: object, block_bytes: Sequence[int], window: int, *, floor: int, fixed_bytes: int,
+                      largest_region_bytes: int) -> int:
+    """A reattached session keeps the quota it was opened with: no larger window than that holds
+    (the pool may have more room now than when it was opened)."""
+    if not getattr(store, "reattached", False):
+        return window
+    held = blocks_in_quota(block_bytes, fixed_bytes=fixed_bytes, largest_region_bytes=largest_region_bytes,
+                           segment_bytes=store.segment_bytes, quota_bytes=store.quota_bytes)
+    if held < window:
+        logger.info("optimizer state window: %d (the reattached session's quota of %d bytes holds no more)",
+                    max(floor, held), store.quota_bytes)
+    return min(window, max(floor, held))
 
 
 def daemon_state_window(socket_path: str, block_bytes: Sequence[int], *, floor: int, fixed_bytes: int,

@@ -4,13 +4,14 @@ than buffer_count blocks per rank or does not."""
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
 
 from daemon import TierClient, TierClientConfig
 from offload import initialize
-from offload.daemon_window import POOL_SHARE, daemon_window_size
+from offload.daemon_window import POOL_SHARE, daemon_window_size, reattached_window
 from offload.resume import COMMIT_BYTES
 from offload.tiers import packed_quota_bytes, plan_bytes
 from tests.daemon.conftest import STORE, start_daemon
@@ -51,6 +52,17 @@ def test_the_window_is_the_most_blocks_whose_packed_quota_fits(ranks, free_mib):
     quota = [packed_quota_bytes(MIB + sum(top[:k]), 3 * MIB, 8 * MIB) for k in range(len(top) + 1)]
     assert size == 0 or quota[size] <= budget
     assert size == len(top) or quota[size + 1] > budget
+
+
+def test_a_reattached_session_keeps_the_window_its_quota_holds():
+    blocks = [3 * MIB] * 6
+    kw = dict(floor=1, fixed_bytes=MIB, largest_region_bytes=3 * MIB)
+    # opened with 2 segments (10 MiB usable: 3 blocks); the pool now has room for all 6
+    old = types.SimpleNamespace(reattached=True, quota_bytes=16 * MIB, segment_bytes=8 * MIB)
+    assert reattached_window(old, blocks, 6, **kw) == 3
+    assert reattached_window(old, blocks, 2, **kw) == 2  # a smaller window stays
+    assert reattached_window(types.SimpleNamespace(reattached=False), blocks, 6, **kw) == 6  # a new session
+    assert reattached_window(old, blocks, 6, **{**kw, "floor": 4}) == 4  # buffer_count stays the floor
 
 
 def _train(config, steps=4):
