@@ -7,7 +7,6 @@ import logging
 import types
 
 import pytest
-import torch
 
 from daemon import TierClient, TierClientConfig
 from offload import initialize
@@ -16,6 +15,7 @@ from offload.resume import COMMIT_BYTES
 from offload.tiers import packed_quota_bytes, plan_bytes
 from tests.daemon.conftest import STORE, start_daemon
 from tests.offload import ckpt_worker
+from tests.offload.test_daemon_tier import _train
 
 MIB = 1 << 20
 
@@ -65,18 +65,6 @@ def test_a_reattached_session_keeps_the_window_its_quota_holds():
     assert reattached_window(old, blocks, 6, **{**kw, "floor": 4}) == 4  # buffer_count stays the floor
 
 
-def _train(config, steps=4):
-    net = ckpt_worker.model()
-    engine, _, _, _ = initialize(model=net, config=config)
-    losses = []
-    for x, y in ckpt_worker.batches(steps):
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return engine, losses
-
-
 @pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
 def test_a_rank_window_grows_with_the_daemon_pool_and_stays_at_buffer_count_without_room(tmp_path, monkeypatch,
                                                                                            caplog):
@@ -91,7 +79,7 @@ def test_a_rank_window_grows_with_the_daemon_pool_and_stays_at_buffer_count_with
         config["offload"] = {"job_id": "window-job"}
         floor = 4
         with caplog.at_level(logging.INFO, logger="offload.daemon_window"):
-            engine, losses = _train(config)
+            engine, _, losses = _train(config, steps=4)
         window, groups = engine.adam.storage.window, len(engine.layout.sub_groups)
         assert groups > floor and window == groups  # 32 MiB of pool for one rank holds every block
         lines = [r.getMessage() for r in caplog.records if "window" in r.getMessage()]
@@ -107,7 +95,7 @@ def test_a_rank_window_grows_with_the_daemon_pool_and_stays_at_buffer_count_with
                                                 quota_bytes=60 << 20))
         try:
             monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-            engine, small_losses = _train(config)
+            engine, _, small_losses = _train(config, steps=4)
             assert engine.adam.storage.window == floor
             engine.close()
         finally:
