@@ -210,7 +210,8 @@ class Handlers:
         return {"version": PROTOCOL_VERSION, "engine": self.backend.engine_name,
                 "metrics_address": self.metrics_address, "uptime_seconds": time.monotonic() - self.started_at,
                 "pool": {"capacity_bytes": self.sessions.capacity_bytes, "used_bytes": self.sessions.used_bytes,
-                         "held_bytes": snap["held_bytes"]},
+                         "held_bytes": snap["held_bytes"], "segment_bytes": self.sessions.segment_bytes,
+                         "max_quota_bytes": self.sessions.quota_limit_bytes},
                 "swap": snap["swap"], "bytes_moved": dict(self.bytes_moved), "bytes_per_second": bandwidth,
                 "queued": self.scheduler.depth(), "inflight": self.scheduler.inflight,
                 "inflight_bytes": self.inflight_bytes, "sessions": rows}

@@ -69,7 +69,8 @@ STATS 11         {} -> stats {TierStats fields}
 REPORT_STEP 12   seconds float (one optimizer step) -> {}
 PING 13          {} -> {}
 STATUS 14        {} -> version, engine, metrics_address, uptime_seconds, pool {capacity_bytes,
-                 used_bytes (quotas reserved), held_bytes (host bytes the sessions' regions hold)},
+                 used_bytes (quotas reserved), held_bytes (host bytes the sessions' regions hold),
+                 segment_bytes, max_quota_bytes (the largest quota one session may hold)},
                  swap {used_bytes, capacity_bytes}, bytes_moved {read, write}, bytes_per_second
                  {read, write}, queued, inflight, inflight_bytes, sessions [{job_id, rank, uid, state, quota_bytes,
                  stats, regions_by_tier}] (only the asker's uid's sessions, unless it is root)

@@ -161,6 +161,15 @@ class SessionTable:
     def capacity_bytes(self) -> int:
         return self._pool.capacity_bytes // self._pool.segment_bytes * self._pool.segment_bytes
 
+    @property
+    def segment_bytes(self) -> int:
+        return self._pool.segment_bytes
+
+    @property
+    def quota_limit_bytes(self) -> int:
+        """The largest quota one session may hold ([sessions] max_quota_bytes, else the pool)."""
+        return self._config.max_quota_bytes or self.capacity_bytes
+
     def __iter__(self):
         return iter(list(self._sessions.values()))
 
@@ -179,7 +188,7 @@ class SessionTable:
             raise QuotaExceededError(f"quota of {quota_bytes} bytes is below [sessions] min_quota_bytes = "
                                      f"{c.min_quota_bytes} (0 asks for the default)")
         quota = _round_up(quota_bytes, seg)  # a session's pool is a whole number of node-pool segments
-        limit = c.max_quota_bytes or self.capacity_bytes
+        limit = self.quota_limit_bytes
         if quota > limit:
             raise QuotaExceededError(f"quota of {quota} bytes exceeds the per-session limit of {limit} "
                                      f"([sessions] max_quota_bytes, or the pool's capacity_bytes)")

@@ -249,6 +249,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     window = _state_window(cfg, layout) if device_kind == OffloadDevice.NVME else zero.offload_optimizer.buffer_count
     tier, verdict, payload, commit = _open_tier(cfg, layout, ranks, window) if offloaded else (None, FRESH, None, None)
     try:
+        if tier is not None and tier.daemon and device_kind == OffloadDevice.NVME:
+            window = _reattached_window(cfg, layout, tier, window)
         if tier is not None and ranks.device.type == "cuda":
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
@@ -307,13 +309,28 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
 def _state_window(cfg: EngineConfig, layout: FlatLayout) -> int:
     """State blocks in host memory at once with nvme: what the host budget holds, buffer_count at least.
-    A daemon without ``offload.host_memory_bytes`` shares the node's memory: buffer_count there."""
+    A daemon without ``offload.host_memory_bytes``: what its pool gives (offload.daemon_window)."""
     floor = cfg.zero.offload_optimizer.buffer_count
-    if resolve_daemon_socket(cfg.offload) and cfg.offload.host_memory_bytes is None:
-        return floor
     plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None)
+    socket = resolve_daemon_socket(cfg.offload)
+    if socket and cfg.offload.host_memory_bytes is None:
+        from offload.daemon_window import daemon_state_window
+        from offload.resume import COMMIT_BYTES
+
+        return daemon_state_window(socket, plan.state_bytes, floor=floor, fixed_bytes=plan.resident_bytes + COMMIT_BYTES,
+                                   largest_region_bytes=max(plan.region_bytes, default=0))
     return window_size(plan.state_bytes, floor=floor, fixed_bytes=plan.resident_bytes,
                        host_memory_bytes=cfg.offload.host_memory_bytes, what="optimizer state")
+
+
+def _reattached_window(cfg: EngineConfig, layout: FlatLayout, tier: Tier, window: int) -> int:
+    from offload.daemon_window import reattached_window
+    from offload.resume import COMMIT_BYTES
+
+    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None)
+    return reattached_window(tier.store, plan.state_bytes, window, floor=cfg.zero.offload_optimizer.buffer_count,
+                             fixed_bytes=plan.resident_bytes + COMMIT_BYTES,
+                             largest_region_bytes=max(plan.region_bytes, default=0))
 
 
 def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: int):

@@ -7,12 +7,16 @@ alone) starts a real daemon (``offload daemon``, its swap file beside the embedd
 (same seed): one engine on an embedded ``TierStore``, one through the daemon, with the same
 config (ZeRO stage 1, offload_optimizer nvme, ``buffer_count``, CRC-32C on both sides or off on
 both). In every round each contender runs ``steps_per_round`` steps on the same batches, in an
-order that alternates from round to round; the first step of each is not measured. A step's time
+order that alternates from round to round; the first step of each is not measured. By default each
+side sizes its state window itself (embedded: from the free memory; daemon: from its pool, which
+is sized as a node would size it, so that half of it holds every rank's whole state);
+``--window buffer_count`` fixes both at ``buffer_count`` (through ``offload.host_memory_bytes``). A step's time
 is the slowest rank's. Reported: the median step, optimizer step and I/O wait per contender, and
 the median over rounds of the paired ratio daemon / embedded. Both contenders must give the same
 losses at every step (they train the same model on the same data).
 
-Alone: python tools/bench/step_ranks.py [--ranks 2] [--rounds 5] [--buffer-count 4] [--nocrc] [--out FILE]
+Alone: python tools/bench/step_ranks.py [--ranks 2] [--rounds 5] [--buffer-count 4] [--window default|buffer_count]
+       [--nocrc] [--out FILE]
 """
 from __future__ import annotations
 
@@ -60,11 +64,17 @@ def _rank_main(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data, as data parallelism has it
     data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
     contenders = {}
+    host_memory = _buffer_count_budget(base, args.buffer_count, world, rank) if args.window == "buffer_count" else None
     for name in ("embedded", "daemon"):
         config = engine_config("nvme", args.batch, args.nvme_path, args.buffer_count, checksum=not args.nocrc)
+        if host_memory is not None:
+            config["offload"]["host_memory_bytes"] = host_memory
         if name == "daemon":
             config["offload"].update(daemon_socket=args.socket, job_id=JOB_ID)
         contenders[name], _, _, _ = initialize(model=copy.deepcopy(base), config=config)
+    windows = {n: e.adam.storage.window for n, e in contenders.items()}
+    if args.window == "buffer_count" and set(windows.values()) != {args.buffer_count}:
+        raise RuntimeError(f"rank {rank}: windows {windows}, not buffer_count {args.buffer_count} on both")
     del base
     names = list(contenders)
     times = {n: {"step": [], "opt": [], "wait": []} for n in names}
@@ -112,10 +122,23 @@ def _rank_main(args: argparse.Namespace) -> int:
         engine.close()
     if rank == 0:
         Path(args.result).write_text(json.dumps({"times": times, "rounds": rounds, "losses": losses, "tiers": tiers,
+                                                 "windows": windows, "sub_groups": len(contenders["daemon"].layout.sub_groups),
                                                  "world": world, "n_params": sum(p.numel() for p in
                                                                                  contenders["embedded"].module.parameters())}))
     dist.destroy_process_group()
     return 0
+
+
+def _buffer_count_budget(model: torch.nn.Module, buffer_count: int, world: int, rank: int) -> int:
+    """offload.host_memory_bytes that holds this rank's grads and ``buffer_count`` state blocks, not one more."""
+    from offload.builder import OFFLOAD_SUB_GROUP_CAP
+    from offload.tiers import plan_bytes
+    from offload.zero.layout import FlatLayout
+
+    layout = FlatLayout([(n, tuple(p.shape), 0) for n, p in model.named_parameters()], world_size=world, rank=rank,
+                        bucket_numel=50_000_000, sub_group_numel=OFFLOAD_SUB_GROUP_CAP)
+    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=buffer_count, nvme=True, nvme_path=None)
+    return plan.resident_bytes + 4096
 
 
 # -- the driver --------------------------------------------------------------------------------
@@ -150,21 +173,27 @@ def _start_daemon(workdir: str, pool_bytes: int, swap_bytes: int, checksum: bool
 
 def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq: int, vocab: int, dim: int,
               layers: int, heads: int, buffer_count: int, nocrc: bool, nvme_path: str | None,
-              inflight: int = 0) -> list[str]:
+              inflight: int = 0, window: str = "default") -> list[str]:
     """Run the ranks row and return its markdown lines."""
+    from offload.daemon_window import POOL_SHARE
+    from offload.tiers import packed_quota_bytes
+
+    load_before = _load()
     workdir = tempfile.mkdtemp(prefix="bench-ranks-", dir=nvme_path)
     n_params = sum(p.numel() for p in GPT(vocab, seq, dim, layers, heads).parameters())
-    # Per rank in host memory: its fp32 grads, buffer_count state blocks (sub-groups of at most 4 Mi
-    # elements when offloaded: 48 MiB each) and the commit region; the states go to swap.
-    per_rank = 4 * n_params // ranks + buffer_count * 12 * (4 << 20) + (16 << 20)
-    per_rank = -(-per_rank // SEGMENT_BYTES) * SEGMENT_BYTES  # quotas are whole segments
-    daemon, sock = _start_daemon(workdir, pool_bytes=ranks * per_rank + SEGMENT_BYTES,
+    # Per rank in host memory at most: its fp32 grads, all of its state (sub-groups of at most 4 Mi
+    # elements when offloaded: 48 MiB blocks) and the commit region, packed in whole segments. The
+    # pool is POOL_SHARE times that for every rank: the daemon's window rule gives each rank its
+    # whole state, as a node's daemon sized for its jobs would (the embedded side takes its window
+    # from the free memory). With --window buffer_count both sides hold buffer_count blocks.
+    per_rank = packed_quota_bytes(16 * n_params // ranks + (16 << 20), 12 * (4 << 20), SEGMENT_BYTES)
+    daemon, sock = _start_daemon(workdir, pool_bytes=POOL_SHARE * ranks * per_rank + SEGMENT_BYTES,
                                  swap_bytes=2 * 12 * n_params, checksum=not nocrc, inflight=inflight)
     result = os.path.join(workdir, "result.json")
     worker = [str(Path(__file__).resolve()), "--worker", "--socket", sock, "--result", result, "--nvme-path", workdir,
               "--rounds", str(rounds), "--steps-per-round", str(steps_per_round), "--batch", str(batch),
               "--seq", str(seq), "--vocab", str(vocab), "--dim", str(dim), "--layers", str(layers),
-              "--heads", str(heads), "--buffer-count", str(buffer_count)] + (["--nocrc"] if nocrc else [])
+              "--heads", str(heads), "--buffer-count", str(buffer_count), "--window", window] + (["--nocrc"] if nocrc else [])
     env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_DAEMON_SOCKET"}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     try:
@@ -187,6 +216,10 @@ def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq:
         "",
         f"- {ranks} ranks under `torchrun --standalone` (gloo, 1 torch thread each), ZeRO stage 1, GPT "
         f"{out['n_params'] / 1e6:.1f}M params, batch {batch} x seq {seq} per rank, buffer_count {buffer_count}, "
+        f"state windows (rank 0, of {out['sub_groups']} sub-groups): "
+        + ", ".join(f"{n} {w}" for n, w in out["windows"].items())
+        + f" ({'fixed at buffer_count' if window == 'buffer_count' else 'each side its default'}); "
+        f"daemon pool {(POOL_SHARE * ranks * per_rank + SEGMENT_BYTES) / 2**30:.2f} GiB, "
         f"checksums {crc} on both sides; daemon [scheduler] "
         f"{f'max_inflight_jobs_per_session {inflight}' if inflight else 'defaults'}; {rounds} rounds x 2 contenders x {steps_per_round} steps (first not "
         "measured), order alternating; a step's time is the slowest rank's",
@@ -200,7 +233,7 @@ def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq:
         ratio = f"**{_fmt(ratios)}x**" if name == "daemon" else ""
         lines.append(f"| {name} | {_fmt(t['step'])} | {_fmt(t['opt'], digits=3)} | {_fmt(t['wait'], digits=3)} | {ratio} |")
     lines += ["", f"Same losses on both at every step (rank 0): {'yes' if same else 'NO'}; "
-              f"load average at the end {_load()}", ""]
+              f"load average at the start {load_before}, at the end {_load()}", ""]
     return lines
 
 
@@ -215,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, default in MODEL_DEFAULTS.items():
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--buffer-count", type=int, default=4)
+    ap.add_argument("--window", choices=("default", "buffer_count"), default="default",
+                    help="state windows: each side's default, or buffer_count on both (offload.host_memory_bytes)")
     ap.add_argument("--nocrc", action="store_true", help="no checksums (on both sides)")
     ap.add_argument("--daemon-inflight", type=int, default=0,
                     help="the daemon's [scheduler] max_inflight_jobs_per_session (and 4x it in all); 0: its default")
@@ -231,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ranks_row(ranks=args.ranks, rounds=args.rounds, steps_per_round=args.steps_per_round, batch=args.batch,
                        seq=args.seq, vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
                        buffer_count=args.buffer_count, nocrc=args.nocrc, nvme_path=args.nvme_path,
-                       inflight=args.daemon_inflight)
+                       inflight=args.daemon_inflight, window=args.window)
     report = "\n".join(lines)
     print(report)
     if args.out:

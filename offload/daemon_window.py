@@ -1,0 +1,103 @@
+"""The optimizer state window of a rank whose tier is a node daemon session.
+
+Embedded, the window is sized from the host budget (``offload.zero.window.window_size``). Through
+a daemon without ``offload.host_memory_bytes`` the host memory is the daemon's pool, shared by
+every rank and job on the node: ``daemon_window_size`` gives a rank 1/POOL_SHARE of the pool (no
+more than is free now) split over the node's ranks, no more than one session may hold, and in it
+as many state blocks as fit once the session's quota is packed in whole segments the way
+``offload.tiers.packed_quota_bytes`` packs it; never fewer than ``buffer_count``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+from csrc import OffloadError
+from offload.tiers import packed_quota_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["POOL_SHARE", "blocks_in_quota", "daemon_state_window", "daemon_window_size", "reattached_window"]
+
+POOL_SHARE = 2
+"""The ranks of one job take at most 1/POOL_SHARE of the daemon's pool: the rest is for other jobs."""
+
+PAGE = 4096
+
+
+def _align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def daemon_window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, largest_region_bytes: int,
+                       pool_capacity_bytes: int, pool_free_bytes: int, max_quota_bytes: int, segment_bytes: int,
+                       local_ranks: int) -> tuple[int, int]:
+    """(window, budget in bytes): how many of ``block_bytes`` (page-rounded state blocks) a rank holds.
+
+    ``fixed_bytes``: what the session holds anyway (grads, commit region). The budget is
+    min(pool / POOL_SHARE, free) / local_ranks, capped at ``max_quota_bytes``; the window is the
+    largest count of the largest blocks whose packed quota (``packed_quota_bytes`` of
+    ``fixed_bytes`` + the blocks, in ``segment_bytes`` segments) fits in it, at least ``floor``
+    and at most the number of blocks (a floor above that stays: the caller's buffer_count)."""
+    if not block_bytes:
+        return floor, 0
+    ranks = max(1, local_ranks)
+    budget = min(pool_capacity_bytes // POOL_SHARE, max(0, pool_free_bytes)) // ranks
+    if max_quota_bytes > 0:
+        budget = min(budget, max_quota_bytes)
+    return max(floor, blocks_in_quota(block_bytes, fixed_bytes=fixed_bytes, largest_region_bytes=largest_region_bytes,
+                                      segment_bytes=segment_bytes, quota_bytes=budget)), budget
+
+
+def blocks_in_quota(block_bytes: Sequence[int], *, fixed_bytes: int, largest_region_bytes: int, segment_bytes: int,
+                    quota_bytes: int) -> int:
+    """How many of the largest ``block_bytes`` a session of ``quota_bytes`` holds beside ``fixed_bytes``,
+    its regions packed in ``segment_bytes`` segments as ``packed_quota_bytes`` packs them."""
+    fit, held = 0, fixed_bytes
+    for b in sorted(block_bytes, reverse=True):
+        held += b
+        if packed_quota_bytes(_align(held), largest_region_bytes, segment_bytes) > quota_bytes:
+            break
+        fit += 1
+    return fit
+
+
+def reattached_window(store: object, block_bytes: Sequence[int], window: int, *, floor: int, fixed_bytes: int,
+                      largest_region_bytes: int) -> int:
+    """A reattached session keeps the quota it was opened with: no larger window than that holds
+    (the pool may have more room now than when it was opened)."""
+    if not getattr(store, "reattached", False):
+        return window
+    held = blocks_in_quota(block_bytes, fixed_bytes=fixed_bytes, largest_region_bytes=largest_region_bytes,
+                           segment_bytes=store.segment_bytes, quota_bytes=store.quota_bytes)
+    if held < window:
+        logger.info("optimizer state window: %d (the reattached session's quota of %d bytes holds no more)",
+                    max(floor, held), store.quota_bytes)
+    return min(window, max(floor, held))
+
+
+def daemon_state_window(socket_path: str, block_bytes: Sequence[int], *, floor: int, fixed_bytes: int,
+                        largest_region_bytes: int, what: str = "optimizer state") -> int:
+    """Ask the daemon at ``socket_path`` (STATUS) for its pool and size the window with
+    ``daemon_window_size`` over LOCAL_WORLD_SIZE ranks; ``floor`` where the daemon does not say.
+    Logged once per call."""
+    from daemon.client import daemon_status
+
+    try:
+        pool = daemon_status(socket_path)["pool"]
+        capacity, used = int(pool["capacity_bytes"]), int(pool["used_bytes"])
+        segment, limit = int(pool["segment_bytes"]), int(pool["max_quota_bytes"])
+    except (OSError, OffloadError, KeyError, TypeError, ValueError) as exc:
+        logger.info("%s window: %d (buffer_count; the daemon's pool could not be read: %s)", what, floor, exc)
+        return floor
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    size, budget = daemon_window_size(block_bytes, floor=floor, fixed_bytes=fixed_bytes,
+                                      largest_region_bytes=largest_region_bytes, pool_capacity_bytes=capacity,
+                                      pool_free_bytes=capacity - used, max_quota_bytes=limit, segment_bytes=segment,
+                                      local_ranks=ranks)
+    logger.info("%s window: %d of %d blocks in host memory (buffer_count %d; budget %.2f GB: 1/%d of the daemon's "
+                "pool of %.2f GB (%.2f GB free) over %d ranks, in %d MiB segments)", what, min(size, len(block_bytes)),
+                len(block_bytes), floor, budget / 1e9, POOL_SHARE, capacity / 1e9, (capacity - used) / 1e9, ranks,
+                segment >> 20)
+    return size

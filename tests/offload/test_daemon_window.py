@@ -1,0 +1,105 @@
+"""The state window through a daemon: sized from the daemon's pool (offload.daemon_window), the
+rule against hand-worked cases and packed_quota_bytes, and a real daemon whose pool allows more
+than buffer_count blocks per rank or does not."""
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+from daemon import TierClient, TierClientConfig
+from offload import initialize
+from offload.daemon_window import POOL_SHARE, daemon_window_size, reattached_window
+from offload.resume import COMMIT_BYTES
+from offload.tiers import packed_quota_bytes, plan_bytes
+from tests.daemon.conftest import STORE, start_daemon
+from tests.offload import ckpt_worker
+from tests.offload.test_daemon_tier import _train
+
+MIB = 1 << 20
+
+
+def _rule(blocks, **kw):
+    base = dict(floor=2, fixed_bytes=MIB, largest_region_bytes=3 * MIB, pool_capacity_bytes=64 * MIB,
+                pool_free_bytes=64 * MIB, max_quota_bytes=0, segment_bytes=8 * MIB, local_ranks=1)
+    base.update(kw)
+    return daemon_window_size(blocks, **base)
+
+
+def test_window_from_the_pool_share_packed_in_segments():
+    blocks = [3 * MIB] * 6  # 8 MiB segments with room for a 3 MiB region: 5 MiB of each is usable
+    # one rank: 64 / 2 = 32 MiB, 4 segments, 20 MiB usable: 1 + 6 x 3 = 19 MiB, every block
+    assert _rule(blocks) == (6, 64 * MIB // POOL_SHARE)
+    # two ranks: 16 MiB each, 2 segments, 10 MiB usable: 1 + 3 x 3
+    assert _rule(blocks, local_ranks=2) == (3, 16 * MIB)
+    # another job holds 44 MiB: min(32, 20) / 2 = 10 MiB, one segment, 5 MiB usable: one block, floor 2
+    assert _rule(blocks, local_ranks=2, pool_free_bytes=20 * MIB) == (2, 10 * MIB)
+    # [sessions] max_quota_bytes caps it: one segment, one block
+    assert _rule(blocks, floor=1, max_quota_bytes=8 * MIB) == (1, 8 * MIB)
+    # nothing free: the floor; no blocks: the floor; a floor above the blocks stays (buffer_count)
+    assert _rule(blocks, pool_free_bytes=0)[0] == 2
+    assert _rule([], floor=3)[0] == 3
+    assert _rule(blocks, floor=8)[0] == 8
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("free_mib", [8, 40, 64])
+def test_the_window_is_the_most_blocks_whose_packed_quota_fits(ranks, free_mib):
+    blocks = [MIB, 3 * MIB, 2 * MIB, 3 * MIB, MIB, 2 * MIB, 3 * MIB]
+    size, budget = _rule(blocks, floor=0, local_ranks=ranks, pool_free_bytes=free_mib * MIB)
+    top = sorted(blocks, reverse=True)
+    quota = [packed_quota_bytes(MIB + sum(top[:k]), 3 * MIB, 8 * MIB) for k in range(len(top) + 1)]
+    assert size == 0 or quota[size] <= budget
+    assert size == len(top) or quota[size + 1] > budget
+
+
+def test_a_reattached_session_keeps_the_window_its_quota_holds():
+    blocks = [3 * MIB] * 6
+    kw = dict(floor=1, fixed_bytes=MIB, largest_region_bytes=3 * MIB)
+    # opened with 2 segments (10 MiB usable: 3 blocks); the pool now has room for all 6
+    old = types.SimpleNamespace(reattached=True, quota_bytes=16 * MIB, segment_bytes=8 * MIB)
+    assert reattached_window(old, blocks, 6, **kw) == 3
+    assert reattached_window(old, blocks, 2, **kw) == 2  # a smaller window stays
+    assert reattached_window(types.SimpleNamespace(reattached=False), blocks, 6, **kw) == 6  # a new session
+    assert reattached_window(old, blocks, 6, **{**kw, "floor": 4}) == 4  # buffer_count stays the floor
+
+
+@pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
+def test_a_rank_window_grows_with_the_daemon_pool_and_stays_at_buffer_count_without_room(tmp_path, monkeypatch,
+                                                                                           caplog):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # reattach tokens
+    daemon = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                          sessions={"default_quota_bytes": 4 << 20})
+    try:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        config = ckpt_worker.config("nvme", str(tmp_path), stage=2)
+        config["zero_optimization"]["sub_group_size"] = 64  # ~18 sub-groups, buffer_count 4
+        config["offload"] = {"job_id": "window-job"}
+        floor = 4
+        with caplog.at_level(logging.INFO, logger="offload.daemon_window"):
+            engine, _, losses = _train(config, steps=4)
+        window, groups = engine.adam.storage.window, len(engine.layout.sub_groups)
+        assert groups > floor and window == groups  # 32 MiB of pool for one rank holds every block
+        lines = [r.getMessage() for r in caplog.records if "window" in r.getMessage()]
+        assert len(lines) == 1 and f"{groups} of {groups} blocks" in lines[0] and "buffer_count 4" in lines[0]
+        plan = plan_bytes([sg.numel for sg in engine.layout.sub_groups], window=window, nvme=True, nvme_path=None)
+        want = packed_quota_bytes(plan.resident_bytes + COMMIT_BYTES, max(plan.region_bytes), 4 << 20)
+        assert [s["quota_bytes"] for s in daemon.status()["sessions"]] == [want]  # the quota follows the window
+        engine.close()
+
+        # another job holds all of the pool but one segment, and the node has two ranks: half a
+        # segment each, less than the gradients and one block need: buffer_count
+        bystander = TierClient(TierClientConfig(socket_path=daemon.socket_path, job_id="bystander", rank=0,
+                                                quota_bytes=60 << 20))
+        try:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+            engine, _, small_losses = _train(config, steps=4)
+            assert engine.adam.storage.window == floor
+            engine.close()
+        finally:
+            bystander.close()
+        assert small_losses == losses  # the window moves data, never the results
+    finally:
+        daemon.stop()
