@@ -148,7 +148,9 @@ class EstimateInput:
     """offload.host_memory_bytes: the budget the engine sizes the optimizer state's NVMe window from;
     None: as the engine does, from the memory available on this machine now (``offload.zero.window.window_size``)."""
     daemon: bool = False
-    """Through a node daemon without ``host_memory_bytes``: the window is buffer_count blocks."""
+    """Through a node daemon without ``host_memory_bytes``: the engine sizes the window from the daemon's
+    pool when it starts (``offload.daemon_window``); the estimate, made without the daemon, takes its floor,
+    buffer_count blocks."""
     param_buffer_count: int = 5
     """offload_param.buffer_count (shards in host memory with nvme)."""
     max_live: int = 1_000_000_000
