@@ -270,11 +270,16 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", *ranks_row(ranks=args.daemon_ranks, rounds=args.rounds, steps_per_round=args.steps_per_round,
                                  batch=args.batch, seq=args.seq, vocab=args.vocab, dim=args.dim, layers=args.layers,
                                  heads=args.heads, buffer_count=4, nocrc=False, nvme_path=args.nvme_path)]
+    publish(lines, args.out)
+    return 0 if all(math.isfinite(d) for d in drift.values()) else 1
+
+
+def publish(lines: list[str], out: str | None) -> None:
+    """The report to stdout, and to ``out`` when given (the step benches' one way out)."""
     report = "\n".join(lines) + "\n"
     print(report)
-    if args.out:
-        Path(args.out).write_text(report)
-    return 0 if all(math.isfinite(d) for d in drift.values()) else 1
+    if out:
+        Path(out).write_text(report)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 from bench_adam import cpu_description as _cpu_model  # noqa: E402
-from bench_step import GPT, _fmt, _load, engine_config  # noqa: E402
+from bench_step import GPT, _fmt, _load, engine_config, publish  # noqa: E402
 
 JOB_ID = "bench-step-ranks"
 MODEL_DEFAULTS = {"batch": 2, "seq": 128, "vocab": 16384, "dim": 768, "layers": 12, "heads": 12}
@@ -267,10 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                        seq=args.seq, vocab=args.vocab, dim=args.dim, layers=args.layers, heads=args.heads,
                        buffer_count=args.buffer_count, nocrc=args.nocrc, nvme_path=args.nvme_path,
                        inflight=args.daemon_inflight, window=args.window)
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    publish(lines, args.out)
     return 0
 
 

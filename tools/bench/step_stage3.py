@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import LR, WEIGHT_DECAY, TorchContender, _cpu_model, _fmt, _load  # noqa: E402
+from bench_step import LR, WEIGHT_DECAY, TorchContender, _cpu_model, _fmt, _load, publish  # noqa: E402
 from offload.builder import initialize  # noqa: E402
 from offload.models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -173,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Shard prefetches started: " + ", ".join(f"{n} {k}" for n, k in prefetches.items()),
               "Same losses as torch at every step (largest relative difference): "
               + ", ".join(f"{n} {d:.1e}" for n, d in drift.items())]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        Path(args.out).write_text(report)
+    publish(lines, args.out)
     return 0
 
 
