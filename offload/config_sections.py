@@ -407,13 +407,16 @@ class OffloadSectionConfig:
     """The one-step delayed parameter update (offload.zero.delayed): the CPU step overlaps the next step."""
     delayed_update_warmup_steps: int = 40
     """Ordinary optimizer steps before the delayed update begins (a few dozen, as ZeRO-Offload does)."""
+    release_host_heap: bool = True
+    """Hand the host heap's free pages back to the kernel after each optimizer step, so resident
+    memory stays at what is live ([Note: host heap creep], offload.host_heap)."""
 
     def __post_init__(self) -> None:
         _text(self, "daemon_socket")
         _text(self, "job_id")
         _int(self, "host_memory_bytes", 1, optional=True)
         _int(self, "swap_capacity_bytes", 1, optional=True)
-        _bool(self, "checksum", "delayed_update")
+        _bool(self, "checksum", "delayed_update", "release_host_heap")
         _int(self, "delayed_update_warmup_steps", 0)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError
+from offload.host_heap import release_free_heap
 from offload.precision import LossScaler, clip_coefficient
 from offload.resume import CommitRegion
 from offload.tiers import Tier
@@ -215,6 +216,8 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._take_step()
+            if self.config.offload.release_host_heap:
+                release_free_heap()  # [Note: host heap creep]
         self.micro_steps += 1
         if boundary and self.commit is not None:
             if self.delayed is not None:
