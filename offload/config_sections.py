@@ -408,8 +408,9 @@ class OffloadSectionConfig:
     delayed_update_warmup_steps: int = 40
     """Ordinary optimizer steps before the delayed update begins (a few dozen, as ZeRO-Offload does)."""
     release_host_heap: bool = True
-    """Hand the host heap's free pages back to the kernel after each optimizer step, so resident
-    memory stays at what is live ([Note: host heap creep], offload.host_heap)."""
+    """Hand the host heap's free pages back to the kernel at an optimizer step when resident memory
+    has crept 64 MiB past where it settled, so it stays near what is live ([Note: host heap creep],
+    offload.host_heap)."""
 
     def __post_init__(self) -> None:
         _text(self, "daemon_socket")

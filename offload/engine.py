@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError
-from offload.host_heap import release_free_heap
+from offload.host_heap import HeapTrimmer
 from offload.precision import LossScaler, clip_coefficient
 from offload.resume import CommitRegion
 from offload.tiers import Tier
@@ -88,6 +88,7 @@ class Engine:
                  training_dataloader: Any = None, stage3: Any = None) -> None:
         self.module = module
         self.config = config
+        self.heap_trimmer = HeapTrimmer() if config.offload.release_host_heap else None
         self.ranks = ranks
         self.layout = layout
         self.flat_params = flat_params
@@ -216,8 +217,8 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._take_step()
-            if self.config.offload.release_host_heap:
-                release_free_heap()  # [Note: host heap creep]
+            if self.heap_trimmer is not None:
+                self.heap_trimmer.after_step()  # [Note: host heap creep]
         self.micro_steps += 1
         if boundary and self.commit is not None:
             if self.delayed is not None:
