@@ -183,7 +183,15 @@ class Engine:
         if self.compute_dtype != torch.float32:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
-        out = self.module(*args, **kwargs)
+        try:
+            out = self.module(*args, **kwargs)
+        except RuntimeError as err:
+            if self.stage3 is not None and "storage of size 0" in str(err):
+                raise ConfigError(
+                    "stage 3: a forward read a parameter that is not gathered, most likely one that another "
+                    "module owns; register it with the module that reads it: "
+                    "offload.register_external_parameter(module, param) ([Note: external parameters])") from err
+            raise
         self.wall_seconds["forward"] += time.perf_counter() - t0
         return out
 

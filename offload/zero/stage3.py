@@ -23,6 +23,7 @@ import torch.distributed as dist
 from csrc import ConfigError
 from offload.config import OffloadDevice, resolve_daemon_socket, resolve_job_id
 from offload.tiers import PAGE, Tier, TierPlan, open_tier
+from offload.zero.external import rebind
 from offload.zero.layout import FlatLayout, SubGroup
 from offload.zero.params import ParamCoordinator, Stage3Config
 from offload.zero.shards import ShardStore
@@ -95,6 +96,8 @@ def replace_meta_params(model: torch.nn.Module, dtype: torch.dtype, device: torc
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+    if made:
+        rebind(made)  # [Note: external parameters]
     return bool(made)
 
 

@@ -9,7 +9,8 @@ persistent form one unit per param group. Parameters with fewer than
 ``stage3_param_persistence_threshold`` elements are persistent (DeepSpeed's rule): they go
 into one unit per param group that stays gathered for good, so small biases and norms cost
 no collective per use. A tied parameter belongs to the first module that owns it; every
-module that owns it needs that unit (``UnitPlan.module_units``).
+module that owns it needs that unit (``UnitPlan.module_units``), and so does every module that
+registered it as external ([Note: external parameters]).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import logging
 from typing import Sequence
 
 import torch
+
+from offload.zero.external import external_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +82,13 @@ def plan_units(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parame
             unit_of[i] = len(buckets)
         persistent.add(len(buckets))
         buckets.append(tuple(members))
-    module_units = tuple((m, tuple(sorted({unit_of[index_of[id(p)]] for p in own} - persistent)))
+    readers = {id(m): m for m, _ in owners}
+    for module in model.modules():  # [Note: external parameters]
+        if id(module) not in readers and external_parameters(module):
+            readers[id(module)] = module
+            owners.append((module, []))
+    module_units = tuple((m, tuple(sorted({unit_of[index_of[id(p)]]
+                                           for p in [*own, *external_parameters(m)] if id(p) in index_of}
+                                          - persistent)))
                          for m, own in owners)
     return UnitPlan(tuple(buckets), frozenset(persistent), tuple(x for x in module_units if x[1]))
