@@ -39,7 +39,8 @@ def test_training_through_the_daemon_matches_the_embedded_store(tmp_path, device
         assert [s["job_id"] for s in status["sessions"]] == ["test-job"]
         if device == "nvme":
             assert stats.bytes_written_total > 0 and stats.bytes_read_total > 0
-            assert stats.state_bytes_by_tier["nvme"] > 0
+            # on NVMe, or on its way there or back (the last step's evicts can still be in flight)
+            assert stats.state_bytes_by_tier["nvme"] + stats.state_bytes_by_tier.get("in_flight", 0) > 0
         engine.close()
         monkeypatch.delenv("OFFLOAD_DAEMON_SOCKET")
         config.pop("offload")
