@@ -40,6 +40,7 @@ wait share is then n/a): the tests' smoke run.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import os
@@ -141,9 +142,10 @@ class EngineRow:
 
 
 def build(c: Contender, gcfg: GPTConfig, device: torch.device, *, batch: int, accum: int, nvme_path: str,
-          meta: bool = False):
-    """The contender's row. ``meta``: a stage-3 model is built under ``offload.init_context`` (no process
-    holds it whole; other weights than the plain build's) rather than on the host and copied in."""
+          meta: bool = False, base: GPT | None = None):
+    """The contender's row, its model a copy of ``base`` (built here when None). ``meta``: a stage-3 model
+    is built under ``offload.init_context`` (no process holds it whole; other weights than the plain
+    build's) rather than on the host and copied in."""
     if meta and c.stage == 3:
         from bench_capacity import GPT2Init
 
@@ -154,7 +156,7 @@ def build(c: Contender, gcfg: GPTConfig, device: torch.device, *, batch: int, ac
             model = GPT(gcfg, seed=0)
         init.names.update((id(m), name) for name, m in model.named_modules())
     else:
-        model = GPT(gcfg, seed=0)  # the same weights for every contender
+        model = GPT(gcfg, seed=0) if base is None else copy.deepcopy(base)  # the same weights for every contender
     if not c.engine:
         return TorchRow(c, model, device)
     return EngineRow(c, model, device, batch=batch, accum=accum, nvme_path=nvme_path)
@@ -279,10 +281,14 @@ def main(argv: list[str] | None = None) -> int:
                 row.close()
                 del row
                 gc.collect()
-                torch.cuda.empty_cache() if device.type == "cuda" else None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             print(f"{c.name}: {statistics.median(steps[c.name]):.3f} s/step", flush=True)
     else:
-        rows = [build(c, gcfg, device, **kw) for c in wanted]
+        base = GPT(gcfg, seed=0)  # built once (seconds at 1B), copied for each contender
+        rows = [build(c, gcfg, device, base=base, **kw) for c in wanted]
+        del base
+        gc.collect()
         try:
             for row in rows:
                 row.step(micro[0])

@@ -9,28 +9,16 @@ import torch
 
 from offload import initialize
 from tests.offload import stage3_worker as w
+from tests.offload.test_stage3 import _engine_run, _torch_run
 
 pytestmark = pytest.mark.cuda
-
-
-def _torch_losses(net, data):
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.01)
-    losses = []
-    for ids, targets in data:
-        loss = net(ids, targets)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("param_device", ["cpu", "nvme"])
 def test_stage3_through_the_fetcher_matches_torch(tmp_path, param_device):
     data = [(x.cuda(), y.cuda()) for x, y in w.batches(20)]
     ref = w.model().cuda()
-    ref_losses = _torch_losses(ref, data)
+    ref_losses = _torch_run(ref, data)
     net = w.model()
     engine, _, _, _ = initialize(model=net, config=w.config("cpu", param_device, str(tmp_path)))
     try:
@@ -38,12 +26,7 @@ def test_stage3_through_the_fetcher_matches_torch(tmp_path, param_device):
         assert engine.device.type == "cuda" and coordinator._device is not None
         registration = engine.stage3.param_tier.registration
         assert registration is not None and registration.active and registration.ranges
-        losses = []
-        for x, y in data:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _engine_run(engine, data)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         assert coordinator.stats().device_prefetches > 0
         with coordinator.gathered():
