@@ -104,8 +104,9 @@ for stage in "${stages[@]}"; do
       [ "$rc" = 0 ] || { status=$rc; echo "setup failed: nothing else can run"; break; }
       describe ;;
     tests)
-      run_stage tests 240 "$OUT/pytest.log" $PY -m pytest -q -x -m cuda -rs tests/offload/gpu \
-        -o cache_dir=/tmp/pytest-cache
+      # every test runs (no -x: one GPU session sees them all); pytest-timeout (in the image) caps each
+      run_stage tests 240 "$OUT/pytest.log" $PY -m pytest -q -m cuda -rs tests/offload/gpu \
+        -o cache_dir=/tmp/pytest-cache -o timeout=120
       run_stage tests-cpu-side 60 "$OUT/pytest.log" $PY -m pytest -q -m "not cuda" tests/offload/gpu \
         -o cache_dir=/tmp/pytest-cache ;;
     fetch)
