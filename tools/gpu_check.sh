@@ -20,7 +20,7 @@
 #            s3-param-cpu -> $OUT/step_gpu_1b.md (the run's log), $OUT/step_gpu_1b.table.md (the report)
 #   step-nvme  the same with torch, none, opt-nvme, s3-param-nvme (each NVMe step moves the 12 GB of
 #            fp32 state both ways, seconds per step: fewer rounds) -> $OUT/step_gpu_1b_nvme.md
-#   largest  tools/bench/step_gpu.py --largest: the most layers at dim 2048 that fit with
+#   largest  tools/bench/step_gpu.py --largest: the most layers at dim 4096 that fit with
 #            s3-param-cpu, one contender -> $OUT/step_gpu_largest.md
 # Every stage has a time limit, cut to what is left before DEADLINE seconds (default 580, inside the
 # tool's 600) have passed since the start: a hung or slow stage costs its limit, not the reports of
@@ -97,12 +97,12 @@ for stage in "${stages[@]}"; do
     setup)
       # in this shell, not a subshell: the PYTHONPATH it exports serves the stages after it
       t0=$SECONDS
+      describe
       setup >"$OUT/setup.log" 2>&1
       rc=$?
       cat "$OUT/setup.log"
       echo "setup: rc $rc in $((SECONDS - t0)) s" | tee -a "$summary"
-      [ "$rc" = 0 ] || { status=$rc; echo "setup failed: nothing else can run"; break; }
-      describe ;;
+      [ "$rc" = 0 ] || { status=$rc; echo "setup failed: nothing else can run"; break; } ;;
     tests)
       # every test runs (no -x: one GPU session sees them all); pytest-timeout (in the image) caps each
       run_stage tests 240 "$OUT/pytest.log" $PY -m pytest -q -m cuda -rs tests/offload/gpu \
@@ -118,8 +118,10 @@ for stage in "${stages[@]}"; do
       run_stage step-nvme 300 "$OUT/step_gpu_1b_nvme.md" $PY tools/bench/step_gpu.py --rounds 2 --steps-per-round 2 \
         --contenders torch none opt-nvme s3-param-nvme --nvme-path /tmp ;;
     largest)
+      # dim 4096 as 7B-class models have; 70% of each memory planned: the tiers' host memory is all pinned
       run_stage largest 400 "$OUT/step_gpu_largest.md" $PY tools/bench/step_gpu.py --largest --rounds 1 \
-        --steps-per-round 3 --contenders s3-param-cpu --nvme-path /tmp ;;
+        --steps-per-round 3 --contenders s3-param-cpu --dim 4096 --heads 32 --batch 4 --headroom 0.7 \
+        --nvme-path /tmp ;;
     *)
       echo "gpu_check: unknown stage $stage (setup tests fetch step step-nvme largest)" | tee -a "$summary"
       status=2 ;;

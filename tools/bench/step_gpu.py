@@ -269,14 +269,26 @@ def main(argv: list[str] | None = None) -> int:
                 per_round.setdefault(f"{row.name}@{r}", []).append(dt)
 
     kw = dict(batch=args.batch, accum=args.accum, nvme_path=tmp.name, meta=args.largest)
+    setup: dict[str, float] = {}
+
+    def timed_build(c: Contender, base: GPT | None = None):
+        t0 = time.perf_counter()
+        row = build(c, gcfg, device, base=base, **kw)
+        setup[c.name] = time.perf_counter() - t0
+        return row
+
     if args.sequential:
         for c in wanted:
-            row = build(c, gcfg, device, **kw)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            row = timed_build(c)
             try:
                 row.step(micro[0])  # warm-up: allocations, the first NVMe reads, stage 3's fetch order
                 for r in range(args.rounds):
                     measure(row, r, r * args.steps_per_round)
                 busy[c.name] = profiled_busy(row, micro[0], device)
+                if device.type == "cuda":
+                    notes.append(f"{c.name}: peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
             finally:
                 row.close()
                 del row
@@ -286,10 +298,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.name}: {statistics.median(steps[c.name]):.3f} s/step", flush=True)
     else:
         base = GPT(gcfg, seed=0)  # built once (seconds at 1B), copied for each contender
-        rows = [build(c, gcfg, device, base=base, **kw) for c in wanted]
-        del base
-        gc.collect()
+        rows = []
         try:
+            for c in wanted:
+                rows.append(timed_build(c, base))
+            del base
+            gc.collect()
             for row in rows:
                 row.step(micro[0])
             for r in range(args.rounds):
@@ -303,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 row.close()
     tmp.cleanup()
+    notes.append("set-up seconds (model copy and initialize): " + ", ".join(f"{n} {t:.1f}" for n, t in setup.items()))
     publish(report(args, argv, device, wanted, skipped, notes, n_params, tokens, flops, steps, per_round, losses, busy),
             args.out)
     return 0
