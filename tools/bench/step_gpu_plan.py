@@ -12,7 +12,8 @@ the model's work, not the kernels'). Achieved TFLOP/s = FLOPs per step / step se
 [Note: GPU wait share] The share of a step the GPU's compute engine is idle: 1 - busy / step,
 where busy is the union of the intervals of every CUDA kernel in one profiled step
 (``torch.profiler``, CUDA activity; copy-engine work, ``Memcpy*`` and ``Memset*``, is not
-compute and not counted; overlapping kernels on several streams count once) and step is the
+compute and not counted, nor are the GPU-side spans of ``record_function`` ranges; overlapping
+kernels on several streams count once) and step is the
 median wall time of the timed, unprofiled steps (the profiler slows the host's launches, not
 the kernels). Idle time is what the GPU spent waiting: for a fetch, for the host to launch,
 for the CPU's optimizer step.
@@ -79,13 +80,20 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
+def _is_kernel(event: Any, cuda: Any) -> bool:
+    """A compute kernel on the GPU's timeline: not a copy-engine transfer, and not the GPU-side span of a
+    ``record_function`` range (kineto's gpu_user_annotation), which covers the kernels inside it."""
+    if event.device_type != cuda or event.name.startswith(("Memcpy", "Memset")):
+        return False
+    return not getattr(event, "is_user_annotation", False) and not event.name.startswith(("offload::", "ProfilerStep"))
+
+
 def gpu_busy_seconds(prof: Any) -> float | None:
     """Seconds some CUDA kernel ran in a ``torch.profiler.profile`` ([Note: GPU wait share]); None if it
     recorded no kernel (no GPU, or a profiler that sees none)."""
     from torch.autograd import DeviceType
 
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if _is_kernel(e, DeviceType.CUDA)]
     if not spans:
         return None
     return busy_seconds(spans) / 1e6  # the profiler's times are microseconds

@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tools" / "bench"))
 
 import step_gpu  # noqa: E402
-from step_gpu_plan import CONTENDERS, busy_seconds, fits, largest_layers, model_flops_per_step  # noqa: E402
+from step_gpu_plan import (  # noqa: E402
+    CONTENDERS, busy_seconds, fits, gpu_busy_seconds, largest_layers, model_flops_per_step,
+)
 
 from offload.models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -118,3 +120,50 @@ def test_a_small_gpu_run_measures_the_wait_share(tmp_path):
     for name in ("torch", "none", "opt-cpu"):
         wait = rows[name][4]
         assert wait.endswith("%") and 0.0 <= float(wait[:-1]) <= 100.0, rows[name]
+
+
+class _Span:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+class _Event:
+    def __init__(self, name, start_us, end_us, device, annotation=False):
+        from torch.autograd import DeviceType
+
+        self.name, self.time_range = name, _Span(start_us, end_us)
+        self.device_type = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+        self.is_user_annotation = annotation
+
+
+class _Profile:
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+def test_busy_time_counts_kernels_only():
+    """Kernels (overlapping ones once) count; host-side ops, copy-engine transfers and the GPU-side
+    spans of record_function ranges do not."""
+    prof = _Profile([
+        _Event("ampere_bf16_gemm", 0, 100, "cuda"),
+        _Event("void at::native::vectorized_elementwise_kernel", 50, 150, "cuda"),  # overlaps: 150 us so far
+        _Event("Memcpy HtoD (Pinned -> Device)", 200, 900, "cuda"),
+        _Event("offload::h2d", 150, 1000, "cuda", annotation=True),
+        _Event("aten::mm", 0, 2000, "cpu"),
+        _Event("triton_segmented_copy", 1000, 1050, "cuda"),
+    ])
+    assert gpu_busy_seconds(prof) == pytest.approx(200e-6)
+    assert gpu_busy_seconds(_Profile([_Event("aten::mm", 0, 10, "cpu")])) is None
+
+
+def test_a_real_profile_without_a_gpu_has_no_busy_time():
+    """The same reading of a torch.profiler profile (its events' fields exist), with no CUDA kernel in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    assert any(e.name == "aten::mm" for e in prof.events())
+    assert gpu_busy_seconds(prof) is None
