@@ -40,6 +40,7 @@ wait share is then n/a): the tests' smoke run.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import datetime
 import gc
@@ -202,6 +203,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--headroom", type=float, default=0.85, help="--largest: share of each memory to plan for")
     ap.add_argument("--max-layers", type=int, default=1024, help="--largest: search up to this many layers")
     ap.add_argument("--nvme-path", default=None, help="directory for the swap files (default: a temporary one)")
+    ap.add_argument("--budget-seconds", type=float, default=None,
+                    help="stop measuring when this much time has passed (the report covers what was measured)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     args = ap.parse_args(argv)
     shape = TINY if args.tiny else ONE_B
@@ -255,72 +258,117 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{_count(n_params)} params, {tokens} tokens/step; contenders: {', '.join(c.name for c in wanted)}"
           + (f"; skipped: {', '.join(skipped)}" if skipped else ""), flush=True)
 
-    steps: dict[str, list[float]] = {c.name: [] for c in wanted}
-    per_round: dict[str, list[float]] = {c.name: [] for c in wanted}
-    losses: dict[str, float] = {}
-    busy: dict[str, float | None] = {}
+    run = Run(args, device, gcfg, micro, tmp.name, notes, time.perf_counter())
+    if args.sequential:
+        run.sequential(wanted)
+    else:
+        run.interleaved(wanted)
+    tmp.cleanup()
+    notes.append("set-up seconds (model copy and initialize): " + ", ".join(f"{n} {t:.1f}" for n, t in run.setup.items()))
+    if run.rounds_done < args.rounds:
+        notes.append(f"the time budget (--budget-seconds {args.budget_seconds:.0f}) ended the run after "
+                     f"{run.rounds_done} of {args.rounds} rounds")
+        args.rounds = run.rounds_done
+    measured = [c for c in wanted if run.steps[c.name]]
+    skipped += [f"{c.name} (not measured: out of time)" for c in wanted if not run.steps[c.name]]
+    publish(report(args, argv, device, measured, skipped, notes, n_params, tokens, flops, run.steps, run.per_round,
+                   run.losses, run.busy), args.out)
+    return 0
 
-    def measure(row, r: int, order_at: int) -> None:
-        for s in range(args.steps_per_round):
-            dt, loss = row.step(micro[(order_at + s) % len(micro)])
-            losses[row.name] = loss
-            if s:
-                steps[row.name].append(dt)
-                per_round.setdefault(f"{row.name}@{r}", []).append(dt)
 
-    kw = dict(batch=args.batch, accum=args.accum, nvme_path=tmp.name, meta=args.largest)
-    setup: dict[str, float] = {}
+class Run:
+    """The measured steps of every contender, interleaved or one at a time, within ``--budget-seconds``."""
 
-    def timed_build(c: Contender, base: GPT | None = None):
+    def __init__(self, args, device: torch.device, gcfg: GPTConfig, micro, nvme_path: str, notes: list[str],
+                 t0: float) -> None:
+        self.args, self.device, self.gcfg, self.micro, self.notes, self.t0 = args, device, gcfg, micro, notes, t0
+        self.kw = dict(batch=args.batch, accum=args.accum, nvme_path=nvme_path, meta=args.largest)
+        self.steps: dict[str, list[float]] = collections.defaultdict(list)
+        self.per_round: dict[str, list[float]] = collections.defaultdict(list)
+        self.losses: dict[str, float] = {}
+        self.busy: dict[str, float | None] = {}
+        self.setup: dict[str, float] = {}
+        self.rounds_done = 0
+
+    def left(self) -> float:
+        """Seconds left of the budget (infinite without one)."""
+        if self.args.budget_seconds is None:
+            return float("inf")
+        return self.args.budget_seconds - (time.perf_counter() - self.t0)
+
+    def build(self, c: Contender, base: GPT | None = None):
         t0 = time.perf_counter()
-        row = build(c, gcfg, device, base=base, **kw)
-        setup[c.name] = time.perf_counter() - t0
+        row = build(c, self.gcfg, self.device, base=base, **self.kw)
+        self.setup[c.name] = time.perf_counter() - t0
         return row
 
-    if args.sequential:
+    def measure(self, row, r: int) -> None:
+        for s in range(self.args.steps_per_round):
+            dt, loss = row.step(self.micro[(r * self.args.steps_per_round + s) % len(self.micro)])
+            self.losses[row.name] = loss
+            if s:
+                self.steps[row.name].append(dt)
+                self.per_round[f"{row.name}@{r}"].append(dt)
+
+    def profile(self, row) -> None:
+        """The wait share's profiled step, when the budget has room for it (three steps' time)."""
+        if self.left() > 3 * statistics.median(self.steps[row.name]) + 5:
+            self.busy[row.name] = profiled_busy(row, self.micro[0], self.device)
+
+    def sequential(self, wanted: list[Contender]) -> None:
         for c in wanted:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            row = timed_build(c)
+            if self.left() < 60:  # not enough to build and step a model of this size
+                break
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            row = self.build(c)
             try:
-                row.step(micro[0])  # warm-up: allocations, the first NVMe reads, stage 3's fetch order
-                for r in range(args.rounds):
-                    measure(row, r, r * args.steps_per_round)
-                busy[c.name] = profiled_busy(row, micro[0], device)
-                if device.type == "cuda":
-                    notes.append(f"{c.name}: peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
+                row.step(self.micro[0])  # warm-up: allocations, the first NVMe reads, stage 3's fetch order
+                for r in range(self.args.rounds):
+                    if r and self.left() < 1.5 * sum(self.per_round[f"{c.name}@{r - 1}"]) + 10:
+                        break
+                    self.measure(row, r)
+                    self.rounds_done = max(self.rounds_done, r + 1)
+                self.profile(row)
+                if self.device.type == "cuda":
+                    self.notes.append(f"{c.name}: peak GPU memory "
+                                      f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB")
             finally:
                 row.close()
                 del row
                 gc.collect()
-                if device.type == "cuda":
+                if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-            print(f"{c.name}: {statistics.median(steps[c.name]):.3f} s/step", flush=True)
-    else:
-        base = GPT(gcfg, seed=0)  # built once (seconds at 1B), copied for each contender
+            print(f"{c.name}: {statistics.median(self.steps[c.name]):.3f} s/step", flush=True)
+
+    def interleaved(self, wanted: list[Contender]) -> None:
+        base = GPT(self.gcfg, seed=0)  # built once (seconds at 1B), copied for each contender
         rows = []
         try:
             for c in wanted:
-                rows.append(timed_build(c, base))
+                rows.append(self.build(c, base))
             del base
             gc.collect()
             for row in rows:
-                row.step(micro[0])
-            for r in range(args.rounds):
+                row.step(self.micro[0])
+            last = 0.0
+            for r in range(self.args.rounds):
+                if r and self.left() < 1.5 * last + 10:
+                    break
+                t0 = time.perf_counter()
                 for row in rows[r % len(rows):] + rows[:r % len(rows)]:
-                    measure(row, r, r * args.steps_per_round)
-                print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                    f"{row.name} {statistics.median(per_round[f'{row.name}@{r}']):.3f}s" for row in rows), flush=True)
+                    self.measure(row, r)
+                last = time.perf_counter() - t0
+                self.rounds_done = r + 1
+                print(f"round {r + 1}/{self.args.rounds}: " + ", ".join(
+                    f"{row.name} {statistics.median(self.per_round[f'{row.name}@{r}']):.3f}s" for row in rows),
+                    flush=True)
             for row in rows:
-                busy[row.name] = profiled_busy(row, micro[0], device)
+                if self.steps[row.name]:
+                    self.profile(row)
         finally:
             for row in rows:
                 row.close()
-    tmp.cleanup()
-    notes.append("set-up seconds (model copy and initialize): " + ", ".join(f"{n} {t:.1f}" for n, t in setup.items()))
-    publish(report(args, argv, device, wanted, skipped, notes, n_params, tokens, flops, steps, per_round, losses, busy),
-            args.out)
-    return 0
 
 
 def _ratio(name: str, ref: str, args, steps, per_round) -> str:

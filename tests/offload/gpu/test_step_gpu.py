@@ -110,6 +110,19 @@ def test_largest_runs_one_contender_at_a_time(tmp_path, capsys):
     assert list(_rows(text)) == ["s3-param-cpu", "opt-cpu"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cpu refuses it")
+def test_a_spent_budget_reports_what_was_measured(tmp_path, capsys):
+    """Interleaved: the first round always runs, the budget stops the rest; one at a time: a contender
+    is not started with under a minute left, and is listed as not measured."""
+    common = ["--device", "cpu", "--tiny", "--steps-per-round", "2", "--nvme-path", str(tmp_path)]
+    assert step_gpu.main(common + ["--rounds", "3", "--contenders", "torch", "opt-cpu", "--budget-seconds", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "ended the run after 1 of 3 rounds" in text and list(_rows(text)) == ["torch", "opt-cpu"]
+    assert step_gpu.main(common + ["--sequential", "--contenders", "torch", "--budget-seconds", "30"]) == 0
+    text = capsys.readouterr().out
+    assert not _rows(text) and "torch (not measured: out of time)" in text
+
+
 @pytest.mark.cuda
 def test_a_small_gpu_run_measures_the_wait_share(tmp_path):
     out = tmp_path / "step_gpu.md"
