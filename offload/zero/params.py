@@ -20,6 +20,8 @@ the shards of the units after i are prefetched from NVMe to host memory, up to
 used again within ``max_reuse_distance_numel`` elements of other fetches; gathered
 non-persistent units never exceed ``max_live_numel`` elements unless the units in use at
 once alone do (kept units are dropped first). A step whose order differs replaces it.
+On a GPU with the params offloaded and one rank, the units ahead are also copied into device
+memory ahead of use, through the copy streams ([Note: unit fetches] in ``offload.zero.unit_fetch``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from offload.zero.layout import FlatLayout
 from offload.zero.shards import ShardStore
+from offload.zero.unit_fetch import UnitFetches
 from offload.zero.units import UnitPlan
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,8 @@ class FetchStats:
     """Time fetches waited on shard I/O."""
     prefetches: int
     """Shard prefetches started."""
+    device_prefetches: int = 0
+    """Units whose copy to the device was started ahead of use ([Note: unit fetches])."""
 
 
 class ParamCoordinator:
@@ -81,7 +86,9 @@ class ParamCoordinator:
 
     def __init__(self, model: torch.nn.Module, layout: FlatLayout, plan: UnitPlan, shards: ShardStore,
                  params: Sequence[torch.nn.Parameter], *, config: Stage3Config, group: dist.ProcessGroup | None,
-                 world_size: int) -> None:
+                 world_size: int, fetcher: Any = None) -> None:
+        """``fetcher`` (``offload.gpu.Fetcher``; offloaded params, one rank): units are copied to the device
+        through it, ahead of use ([Note: unit fetches]); None: plain copies when a module needs them."""
         self.layout = layout
         self.plan = plan
         self.shards = shards
@@ -111,6 +118,10 @@ class ParamCoordinator:
         self.peak_live_bytes = 0
         self.peak_live_numel = 0
         self.fetch_wait_seconds = 0.0
+        self.device_prefetches = 0
+        self._device = None
+        if fetcher is not None and world_size == 1 and shards.tier is not None:
+            self._device = UnitFetches(fetcher, shards, self._full, max_pinned=shards.window - 1 if shards.nvme else None)
         self._handles = []
         for module, units in plan.module_units:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
@@ -129,6 +140,24 @@ class ParamCoordinator:
                    if u not in self.plan.persistent and self.is_gathered(u))
 
     def _gather(self, u: int) -> None:
+        if self._device is None:
+            self._copy_in(u)
+        else:
+            if not self._device.in_flight(u):
+                waited = self._device.acquire_wait_seconds
+                self._device.start([u])
+                self.fetch_wait_seconds += self._device.acquire_wait_seconds - waited
+            self._device.ready(u)
+        self._count_gathered(1)
+
+    def _count_gathered(self, units: int) -> None:
+        self.gathers += units
+        live = sum(f.untyped_storage().nbytes() for f in self._full)
+        self.peak_live_bytes = max(self.peak_live_bytes, live)
+        self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
+
+    def _copy_in(self, u: int) -> None:
+        """The plain gather: the shard copied (one rank) or all-gathered into the unit's buffer."""
         full = self._full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         t0 = time.perf_counter()
@@ -142,12 +171,10 @@ class ParamCoordinator:
                     dist.all_gather_into_tensor(full, shard.to(full.device, copy=True), group=self.group)
         finally:
             self.shards.release(u, dirty=False)
-        self.gathers += 1
-        live = sum(f.untyped_storage().nbytes() for f in self._full)
-        self.peak_live_bytes = max(self.peak_live_bytes, live)
-        self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
     def _free(self, u: int) -> None:
+        if self._device is not None:
+            self._device.forget(u)
         self._full[u].untyped_storage().resize_(0)
 
     def _in_use(self, u: int) -> bool:
@@ -160,10 +187,37 @@ class ParamCoordinator:
         if u in self._kept:
             self._kept.remove(u)
         if self.is_gathered(u):
-            return
-        while self._kept and self._live_numel() + self._numel[u] > self.config.max_live_numel:
-            self._free(self._kept.pop(0))
-        self._gather(u)
+            if self._device is not None:
+                self._device.ready(u)  # started ahead: the compute stream waits for its copy
+        else:
+            while self._kept and self._live_numel() + self._numel[u] > self.config.max_live_numel:
+                self._free(self._kept.pop(0))
+            self._gather(u)
+        if self._device is not None:
+            self._prefetch_to_device()
+
+    def _prefetch_to_device(self) -> None:
+        """Start the copies of the units after the current position along the last order, within the
+        prefetch budget and ``max_live_numel``, whose shards are in host memory ([Note: unit fetches])."""
+        self._device.settle()
+        room = self._device.room()
+        budget = self.config.prefetch_bucket_numel
+        live = self._live_numel()
+        picked: list[int] = []
+        for v in self._order[self._pos:]:
+            if budget < self._numel[v] or (room is not None and len(picked) >= room):
+                break
+            budget -= self._numel[v]
+            if v in self.plan.persistent or v in picked or self.is_gathered(v):
+                continue
+            if live + self._numel[v] > self.config.max_live_numel or not self.shards.ready(v):
+                break
+            picked.append(v)
+            live += self._numel[v]
+        if picked:
+            self._device.start(picked)
+            self.device_prefetches += len(picked)
+            self._count_gathered(len(picked))
 
     def _advance(self, u: int) -> None:
         """Find ``u`` in the last order from the current position; prefetch the shards after it."""
@@ -247,6 +301,8 @@ class ParamCoordinator:
 
     def _after_backward(self) -> None:
         self._backward_queued = False
+        if self._device is not None:  # every copy done before the step writes the shards they read
+            self._device.settle(block=True)
         for u in range(len(self._full)):
             if self._bwd_pending[u]:
                 self._bwd_pending[u] = 0
@@ -257,6 +313,8 @@ class ParamCoordinator:
     def after_step(self) -> None:
         """The shards changed: write them back, drop every stale gathered unit, regather persistent
         ones, and make this step's fetch order the one the next step follows."""
+        if self._device is not None:
+            self._device.settle(block=True)
         self.shards.flush()
         for u in range(len(self._full)):
             if self.is_gathered(u):
@@ -269,6 +327,8 @@ class ParamCoordinator:
             self._order = self._trace
         self._trace, self._pos = [], 0
         self._prefetch_ahead([])  # the next forward's first units, while the caller does what it does between steps
+        if self._device is not None:
+            self._prefetch_to_device()
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -288,9 +348,11 @@ class ParamCoordinator:
     def stats(self) -> FetchStats:
         return FetchStats(gathers=self.gathers, peak_live_bytes=self.peak_live_bytes,
                           peak_live_numel=self.peak_live_numel, fetch_wait_seconds=self.fetch_wait_seconds,
-                          prefetches=self.shards.prefetches_started)
+                          prefetches=self.shards.prefetches_started, device_prefetches=self.device_prefetches)
 
     def close(self) -> None:
+        if self._device is not None:
+            self._device.settle(block=True)
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -102,6 +102,12 @@ class ShardStore:
         if self.nvme and self._place[b] == ShardPlacement.RESIDENT:
             self._window.evict(b)
 
+    def ready(self, b: int) -> bool:
+        """Whether unit ``b``'s shard is in memory now (acquiring it waits for no NVMe read)."""
+        if self.nvme:
+            return self._window.arrived(b)
+        return self._place[b] in (ShardPlacement.DEVICE, ShardPlacement.HOST)
+
     def prefetch(self, units: Iterable[int]) -> None:
         """Start bringing shards from NVMe to host memory while the window has room (no-op otherwise)."""
         if self.nvme:

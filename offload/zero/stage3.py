@@ -28,6 +28,7 @@ from offload.zero.layout import FlatLayout, SubGroup
 from offload.zero.params import ParamCoordinator, Stage3Config
 from offload.zero.shards import ShardStore
 from offload.zero.units import UnitPlan, plan_units
+from offload.zero import unit_fetch  # the module, not the function: tests replace its param_fetcher
 
 logger = logging.getLogger(__name__)
 
@@ -155,12 +156,15 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
                             nvme=zero.offload_param.device == OffloadDevice.NVME,
                             window=zero.offload_param.buffer_count)
         shards.allocate()
+        fetcher = unit_fetch.param_fetcher(device) if tier is not None and world_size == 1 else None
+        if fetcher is not None and device.type == "cuda":
+            tier.register_with_cuda()  # the shards' copies read the segments directly ([Note: unit fetches])
         sources = [p.detach() if p.untyped_storage().nbytes() > 0 else None for p in params]
         coordinator = ParamCoordinator(model, layout, plan, shards, params,
                                        config=Stage3Config(prefetch_bucket_numel=zero.stage3_prefetch_bucket_size,
                                                            max_live_numel=zero.stage3_max_live_parameters,
                                                            max_reuse_distance_numel=zero.stage3_max_reuse_distance),
-                                       group=group, world_size=world_size)
+                                       group=group, world_size=world_size, fetcher=fetcher)
         peak = _materialize(model, layout, plan, shards, coordinator, params, sources, param_init_fn)
         del sources
         coordinator.after_step()  # nothing recorded yet: only gathers the persistent units

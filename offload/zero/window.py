@@ -109,6 +109,20 @@ class HostWindow:
         self.io_wait_seconds += time.perf_counter() - t0
         self.places[i] = self._resident
 
+    def arrived(self, i: int) -> bool:
+        """Whether item ``i`` is resident now, retiring its finished prefetch without waiting for one."""
+        if self.places[i] == self._resident:
+            return True
+        if self.places[i] != self._in_flight or i in self.evicting or i not in self.handles:
+            return False
+        try:
+            self.tier.wait_for_prefetch(self.handles[i], timeout_seconds=0)
+        except TimeoutError:
+            return False
+        del self.handles[i]
+        self.places[i] = self._resident
+        return True
+
     def drain(self) -> None:
         """Wait for every evict in flight."""
         while self.evicting:

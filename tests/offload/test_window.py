@@ -1,7 +1,9 @@
-"""The NVMe window's size: from the host memory budget, buffer_count as the floor; and the engine
-with a window of every sub-group and with one of buffer_count, both against torch."""
+"""The NVMe window's size: from the host memory budget, buffer_count as the floor; the engine with a
+window of every sub-group and with one of buffer_count, both against torch; and ``arrived``, the
+window's look at a prefetch that never waits."""
 from __future__ import annotations
 
+import enum
 import logging
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 from offload.tiers import plan_bytes
 from offload.zero import window as window_mod
-from offload.zero.window import window_size
+from offload.zero.window import HostWindow, window_size
 from tests.offload.harness import (
     BUFFER_COUNT, assert_losses_close, engine_config, make_batches, run_engine, run_torch, twin_models,
 )
@@ -82,3 +84,34 @@ def test_engine_with_a_full_and_a_buffer_count_window_matches_torch(stage, tmp_p
         assert seen["sub_groups"] > BUFFER_COUNT
         assert read >= (steps - 1) * state and written >= steps * state  # back to NVMe and in again every step
         assert seen["window"] == (seen["sub_groups"] if budget is None else BUFFER_COUNT)
+
+
+class _Tier:
+    """Prefetches that finish when the test says so; a zero-timeout wait on an unfinished one times out."""
+
+    def __init__(self):
+        self.done: set[str] = set()
+
+    def prefetch(self, names):
+        return names[0]
+
+    def wait_for_prefetch(self, handle, timeout_seconds=None):
+        if handle not in self.done:
+            if timeout_seconds == 0:
+                raise TimeoutError(handle)
+            self.done.add(handle)
+
+
+def test_arrived_retires_a_finished_prefetch_without_waiting():
+    Place = enum.Enum("Place", "NVME IN_FLIGHT RESIDENT")
+    places = [Place.NVME] * 3
+    tier = _Tier()
+    window = HostWindow(tier, places, Place, size=3, name=lambda i: f"x{i}", label=str, noun="items")
+    assert not window.arrived(0)  # on NVMe, nothing started
+    window.prefetch([0, 1])
+    assert not window.arrived(0) and places[0] == Place.IN_FLIGHT  # started, not finished: no wait
+    tier.done.add("x0")
+    assert window.arrived(0) and places[0] == Place.RESIDENT and 0 not in window.handles
+    assert window.arrived(0) and not window.arrived(1)
+    window.bring_in(1)  # the blocking path still works after polls
+    assert places[1] == Place.RESIDENT

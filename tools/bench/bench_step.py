@@ -21,6 +21,7 @@ median over rounds of the paired ratio of its step time to torch's in the same r
 Usage: python tools/bench/bench_step.py [--rounds 3] [--steps-per-round 3] [--batch 2]
        [--seq 128] [--nvme-path DIR] [--nvme 4 4:nocrc] [--daemon-ranks N] [--out FILE]
        python tools/bench/bench_step.py --stage3 ...   (the stage 3 rows: tools/bench/step_stage3.py)
+       python tools/bench/bench_step.py --gpu ...      (the GPU rows, ~1B bf16: tools/bench/step_gpu.py)
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -159,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         import step_stage3
 
         return step_stage3.main([a for a in argv if a != "--stage3"])
+    if "--gpu" in argv:  # the GPU rows (bf16, ~1B): tools/bench/step_gpu.py
+        import step_gpu
+
+        return step_gpu.main([a for a in argv if a != "--gpu"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=3, help="the first of them is not measured")

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Everything issue 12 measures on a lent H100/H200, in one device call of under 10 minutes.
+#
+# Before the call, once, in the checkout the device tool sends (the lead's):
+#   bash tools/gpu_wheels.sh            # cffi + pycparser wheels into .whl/ (git-ignored there)
+# The call (the device tool's run):
+#   command: bash tools/gpu_check.sh    carry: [".whl"]    timeout_s: 600
+#   and a second one for the NVMe rows and the largest model:  bash tools/gpu_check.sh setup step-nvme largest
+#
+# Stages (arguments pick them; none: setup tests fetch step):
+#   setup    the wheels into /tmp/site (on PYTHONPATH), our C built in place (setup.py build_ext
+#            --inplace: the machine's python3 is the one holding torch and Triton), the machine's
+#            description                                         -> $OUT/env.txt, $OUT/setup.log
+#   tests    pytest -m cuda over tests/offload/gpu: the Fetcher, the gather kernel on the GPU, the
+#            registration, and the engine's equivalence tests (fp32, bf16, the delayed update) on
+#            the GPU; then the whole of tests/offload/gpu (the CPU-side logic) -> $OUT/pytest.log
+#   fetch    tools/bench/bench_fetch.py (H2D / D2H GB/s against the pinned peak, 1,000 x 64 KiB
+#            batched against the copy_ loop, the measured batch threshold) -> $OUT/bench_fetch.md
+#   step     tools/bench/step_gpu.py at ~1B, interleaved: torch, none, opt-cpu, opt-cpu-dpu,
+#            s3-param-cpu -> $OUT/step_gpu_1b.md (the run's log), $OUT/step_gpu_1b.table.md (the report)
+#   step-nvme  the same with torch, none, opt-nvme, s3-param-nvme (each NVMe step moves the 12 GB of
+#            fp32 state both ways, seconds per step: fewer rounds) -> $OUT/step_gpu_1b_nvme.md
+#   largest  tools/bench/step_gpu.py --largest: the most layers at dim 4096 that fit with
+#            s3-param-cpu, one contender -> $OUT/step_gpu_largest.md
+# Every stage has a time limit, cut to what is left before DEADLINE seconds (default 580, inside the
+# tool's 600) have passed since the start: a hung or slow stage costs its limit, not the reports of
+# the others. Each stage's exit status goes to $OUT/summary.txt; the script's status is that of the
+# first stage that failed. Outside the device tool OUT may be any directory (default: a fresh one
+# under /tmp). PY overrides python3.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$(mktemp -d /tmp/gpu-check-XXXXXX)}
+PY=${PY:-python3}
+DEADLINE=${DEADLINE:-580}
+SITE=${SITE:-/tmp/site}  # where the wheels are installed (on PYTHONPATH after setup)
+mkdir -p "$OUT"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(setup tests fetch step)
+summary="$OUT/summary.txt"
+: >"$summary"
+status=0
+
+# limit_for LIMIT_S: LIMIT_S, or the seconds left before the deadline (less a margin) when fewer.
+limit_for() {
+  local left=$((DEADLINE - SECONDS - 5))
+  echo $(($1 < left ? $1 : left))
+}
+
+# run_stage NAME LIMIT_S LOG COMMAND...: the command under `timeout`, its output to LOG and the terminal.
+run_stage() {
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local t0=$SECONDS rc left
+  left=$(limit_for 100000)
+  if [ "$left" -lt 15 ]; then
+    echo "$name: skipped, ${left}s left before the deadline" | tee -a "$summary"
+    [ "$status" != 0 ] || status=124
+    return 124
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name (limit ${limit}s): $*" | tee -a "$log"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  echo "$name: rc $rc in $((SECONDS - t0)) s$([ "$rc" = 124 ] && echo ' (timed out)')" | tee -a "$summary"
+  [ "$rc" = 0 ] || [ "$status" != 0 ] || status=$rc
+  return "$rc"
+}
+
+setup() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+      || return 1
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "no .whl/ here: cffi must already be importable (see tools/gpu_wheels.sh)"
+  fi
+  $PY - <<'EOF' || return 1
+import importlib
+for name in ("cffi", "pycparser", "aiofiles", "prometheus_client", "rich", "numpy", "pytest", "torch", "triton"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name} {getattr(module, '__version__', '?')}")
+    except Exception as exc:  # report every missing one, then fail below
+        print(f"{name} MISSING: {exc}")
+import cffi, torch  # noqa: E401  (the two the rest cannot do without)
+EOF
+  $PY setup.py -q build_ext --inplace || return 1
+  $PY -c "from cpu_adam import resolve_isa; import swap; print('our C: built; CPU Adam path', resolve_isa(None).name)"
+}
+
+describe() {
+  {
+    date -u
+    nvidia-smi || true
+    $PY -c "import torch, platform; print('python', platform.python_version(), 'torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+    echo "cpus $(nproc)"; free -g; df -h /tmp
+  } >"$OUT/env.txt" 2>&1
+}
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    setup)
+      # in this shell, not a subshell: the PYTHONPATH it exports serves the stages after it
+      t0=$SECONDS
+      describe
+      setup >"$OUT/setup.log" 2>&1
+      rc=$?
+      cat "$OUT/setup.log"
+      echo "setup: rc $rc in $((SECONDS - t0)) s" | tee -a "$summary"
+      [ "$rc" = 0 ] || { status=$rc; echo "setup failed: nothing else can run"; break; } ;;
+    tests)
+      # every test runs (no -x: one GPU session sees them all); pytest-timeout (in the image) caps each
+      run_stage tests 240 "$OUT/pytest.log" $PY -m pytest -q -m cuda -rs tests/offload/gpu \
+        -o cache_dir=/tmp/pytest-cache -o timeout=120
+      run_stage tests-cpu-side 60 "$OUT/pytest.log" $PY -m pytest -q -m "not cuda" tests/offload/gpu \
+        -o cache_dir=/tmp/pytest-cache ;;
+    fetch)
+      run_stage fetch 120 "$OUT/bench_fetch.md" $PY tools/bench/bench_fetch.py --rounds 5 ;;
+    # The step benches stop measuring 30 s before their stage's limit and report what they measured.
+    step)
+      lim=$(limit_for 360)
+      run_stage step "$lim" "$OUT/step_gpu_1b.md" $PY tools/bench/step_gpu.py --rounds 3 --steps-per-round 3 \
+        --contenders torch none opt-cpu opt-cpu-dpu s3-param-cpu --nvme-path /tmp --budget-seconds $((lim - 30)) \
+        --out "$OUT/step_gpu_1b.table.md" ;;
+    step-nvme)
+      lim=$(limit_for 300)
+      run_stage step-nvme "$lim" "$OUT/step_gpu_1b_nvme.md" $PY tools/bench/step_gpu.py --rounds 2 --steps-per-round 2 \
+        --contenders torch none opt-nvme s3-param-nvme --nvme-path /tmp --budget-seconds $((lim - 30)) ;;
+    largest)
+      # dim 4096 as 7B-class models have; 70% of each memory planned: the tiers' host memory is all pinned
+      lim=$(limit_for 400)
+      run_stage largest "$lim" "$OUT/step_gpu_largest.md" $PY tools/bench/step_gpu.py --largest --rounds 1 \
+        --steps-per-round 3 --contenders s3-param-cpu --dim 4096 --heads 32 --batch 4 --headroom 0.7 \
+        --nvme-path /tmp --budget-seconds $((lim - 30)) ;;
+    *)
+      echo "gpu_check: unknown stage $stage (setup tests fetch step step-nvme largest)" | tee -a "$summary"
+      status=2 ;;
+  esac
+done
+echo "gpu_check: done; reports in $OUT (status $status)"
+cat "$summary"
+exit "$status"
