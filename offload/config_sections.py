@@ -410,6 +410,9 @@ class OffloadSectionConfig:
     release_host_heap: bool = True
     """Hand the host heap's free pages back to the kernel after each optimizer step, so resident
     memory stays at what is live ([Note: host heap creep], offload.host_heap)."""
+    overlap_step: bool | str = "auto"
+    """Step sub-groups whose gradients have all landed while backward still runs
+    (offload.zero.overlap): "auto" (on where the model computes on a GPU), true or false."""
 
     def __post_init__(self) -> None:
         _text(self, "daemon_socket")
@@ -418,6 +421,8 @@ class OffloadSectionConfig:
         _int(self, "swap_capacity_bytes", 1, optional=True)
         _bool(self, "checksum", "delayed_update", "release_host_heap")
         _int(self, "delayed_update_warmup_steps", 0)
+        if self.overlap_step not in (True, False, "auto"):
+            _fail(self, "overlap_step", 'true, false or "auto"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -463,3 +468,18 @@ class EngineConfig:
                                   "cpu or nvme (it overlaps the CPU's optimizer step with the next step)")
             if self.zero.stage == 3:
                 raise ConfigError("offload.delayed_update is not supported with zero_optimization.stage 3 yet")
+        if self.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
+            _overlap_step_supported(self)
+
+
+def _overlap_step_supported(config: EngineConfig) -> None:
+    """``offload.overlap_step: true`` in a combination it cannot run in: a ConfigError that says which."""
+    if config.offload.delayed_update:
+        raise ConfigError("offload.overlap_step and offload.delayed_update are exclusive (the delayed update "
+                          "already overlaps the whole step): turn one of them off")
+    if config.zero.offload_optimizer.device is OffloadDevice.NONE:
+        raise ConfigError("offload.overlap_step needs zero_optimization.offload_optimizer.device cpu or nvme "
+                          "(it overlaps the CPU's optimizer step with backward)")
+    if config.zero.stage == 3:
+        raise ConfigError("offload.overlap_step is not supported with zero_optimization.stage 3 (the step "
+                          "writes the param shards that backward's hooks gather from): set it false or \"auto\"")
