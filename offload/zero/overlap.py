@@ -36,7 +36,9 @@ in floating point; a copy is.
 backward. Where it is reduced across ranks (or copied off a GPU), it used to land after
 backward; with the overlap on, the reducer lands finished reductions (``Work.is_completed``, a
 copy's event) from the hooks, oldest first and stopping at the first unfinished one, so the
-landing order, and with it the sum of squares, is the one it lands in after backward.
+landing order, and with it the sum of squares, is the one it lands in after backward. (gloo's
+reduce-scatter reports completion only once waited for, so with gloo, stages 1-2 still land,
+and step, after backward; its all-reduce (stage 0) and NCCL's collectives report it.)
 
 Not supported: stage 3 (the update writes the param shards the hooks gather from), the state
 on the GPU (``offload_optimizer`` none: nothing to overlap), and ``offload.delayed_update``

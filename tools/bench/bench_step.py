@@ -127,12 +127,13 @@ class EngineContender:
         self.engine.close()
 
 
-def engine_config(device: str, batch: int, nvme_path: str, buffer_count: int, checksum: bool = True) -> dict:
+def engine_config(device: str, batch: int, nvme_path: str, buffer_count: int, checksum: bool = True,
+                  overlap: bool = False) -> dict:
     offload: dict = {"device": device}
     if device == "nvme":
         offload.update(nvme_path=nvme_path, buffer_count=buffer_count)
     return {
-        "offload": {"checksum": checksum},
+        "offload": {"checksum": checksum, **({"overlap_step": True} if overlap else {})},
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10 ** 9,
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme", nargs="*", default=["4", "4:nocrc"],
                     help="one nvme contender per spec: buffer_count, with :nocrc for no checksums")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
+    ap.add_argument("--overlap", action="store_true",
+                    help="add a contender: cpu with offload.overlap_step true (the step under backward)")
     ap.add_argument("--daemon-ranks", type=int, default=0,
                     help="add the ranks row (step_ranks.py): N ranks, nvme through one daemon vs embedded stores")
     args = ap.parse_args(argv)
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     contenders = [TorchContender(copy.deepcopy(base))]
     for device in ("none", "cpu"):
         contenders.append(EngineContender(device, copy.deepcopy(base), engine_config(device, args.batch, tmp.name, 4)))
+    if args.overlap:
+        contenders.append(EngineContender("cpu, overlap_step", copy.deepcopy(base),
+                                          engine_config("cpu", args.batch, tmp.name, 4, overlap=True)))
     for spec in args.nvme:
         count, _, flag = spec.partition(":")
         name = f"nvme (buffer_count {count}{', no CRC' if flag == 'nocrc' else ''})"
@@ -262,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         ov = _fmt(overlap, digits=3) if c.name != "torch" else ""
         lines.append(f"| {c.name} | {_fmt(s['step'])} | {_fmt(s['opt'], digits=3)} | {wait} | {ov} | {ratio} | {opt_ratio} | {where} |")
     lines += ["", "Tiers: " + "; ".join(f"{n}: {t}" for n, t in engines.items()), ""]
+    for name, st in states.items():
+        if st.step_seconds_under_backward_total:  # offload.overlap_step: of the step, under backward vs after it
+            lines += [f"{name}: optimizer step under backward {st.step_seconds_under_backward_total:.2f} s, after "
+                      f"backward {st.step_seconds_total:.2f} s, over all {st.optimizer_steps} steps; "
+                      f"{st.overlap_rollbacks} rolled back", ""]
     drift = {n: max(abs(a - b) / b for a, b in zip(v, losses["torch"])) for n, v in losses.items() if n != "torch"}
     lines.append("Same losses as torch at every step (largest relative difference): "
                  + ", ".join(f"{n} {d:.1e}" for n, d in drift.items()))
