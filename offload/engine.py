@@ -210,6 +210,8 @@ class Engine:
             self.adam.prefetch_states()  # NVMe -> host while backward runs
         overlap = self.overlap if final else None
         if overlap is not None:
+            if self.commit is not None:
+                self.commit.begin_step()  # the state is written under backward from now on
             overlap.begin(self.scaler.scale, self.world_size)  # [Note: overlapped step]
         t0 = time.perf_counter()
         self.reducer.begin(reduce=reduce, first=first, final=final)

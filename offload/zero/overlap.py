@@ -29,6 +29,8 @@ early blocks stay in host memory unmarked until the verdict, so NVMe still holds
 before the step; a rollback drops the host copies unwritten and reads them again, and a commit
 marks them dirty and evicts them. At most ``window - 1`` blocks are stepped early with nvme
 (those prefetched as backward began), so the rest of the step still has room to pipeline.
+With the daemon, the step-in-progress marker is set as the boundary's backward begins, not at
+``engine.step()``: a process that dies under backward leaves a state a resume calls torn.
 SuperOffload instead undoes a step algebraically (its ``adam_rollback``), which is not exact
 in floating point; a copy is.
 

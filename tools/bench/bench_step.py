@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {statistics.median(v):.2f}s"
                                                           for n, v in round_step.items()), flush=True)
     states = {c.name: c.engine.offload_stats() for c in contenders if isinstance(c, EngineContender)}
+    overlaps = {c.name: c.engine.overlap for c in contenders
+                if isinstance(c, EngineContender) and c.engine.overlap is not None}
     engines = {c.name: c.engine.offload_stats().tier for c in contenders if isinstance(c, EngineContender)}
     for c in contenders:
         c.close()
@@ -268,11 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         ov = _fmt(overlap, digits=3) if c.name != "torch" else ""
         lines.append(f"| {c.name} | {_fmt(s['step'])} | {_fmt(s['opt'], digits=3)} | {wait} | {ov} | {ratio} | {opt_ratio} | {where} |")
     lines += ["", "Tiers: " + "; ".join(f"{n}: {t}" for n, t in engines.items()), ""]
-    for name, st in states.items():
-        if st.step_seconds_under_backward_total:  # offload.overlap_step: of the step, under backward vs after it
-            lines += [f"{name}: optimizer step under backward {st.step_seconds_under_backward_total:.2f} s, after "
-                      f"backward {st.step_seconds_total:.2f} s, over all {st.optimizer_steps} steps; "
-                      f"{st.overlap_rollbacks} rolled back", ""]
+    for name, ov in overlaps.items():  # offload.overlap_step: the step's time under backward and after it
+        st = states[name]
+        lines += [f"{name}, over all {st.optimizer_steps} steps: optimizer step under backward "
+                  f"{ov.seconds_under_backward:.2f} s (of which copies kept for a rollback {ov.backup_seconds:.2f} s), "
+                  f"after backward {st.step_seconds_total:.2f} s; {ov.early_sub_groups} sub-groups stepped early, "
+                  f"{ov.rollbacks} steps rolled back", ""]
     drift = {n: max(abs(a - b) / b for a, b in zip(v, losses["torch"])) for n, v in losses.items() if n != "torch"}
     lines.append("Same losses as torch at every step (largest relative difference): "
                  + ", ".join(f"{n} {d:.1e}" for n, d in drift.items()))
