@@ -278,3 +278,29 @@ def test_auto_decision():
     assert not overlap_wanted("auto", **{**gpu, "offloaded": False})
     assert not overlap_wanted("auto", **{**gpu, "delayed": True})
     assert not overlap_wanted(False, **gpu)
+
+
+# -- through the daemon -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_through_the_daemon_matches_the_ordinary_step(device, tmp_path, monkeypatch):
+    """The daemon's regions take the early steps, their copies and (nvme) their unwritten drops as
+    the embedded store does: bit for bit the ordinary step, with clipping undoing some steps."""
+    from tests.daemon.conftest import STORE, start_daemon
+
+    if STORE != "swap":
+        pytest.skip("needs the real swap layer in the daemon")
+    daemon = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                          sessions={"default_quota_bytes": 8 << 20})
+    try:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+        losses, params, seen = _run(True, stage=2, device=device, tmp_path=tmp_path, clip=CLIP)
+        assert seen["stats"].tier.startswith("daemon ")
+    finally:
+        monkeypatch.delenv("OFFLOAD_DAEMON_SOCKET", raising=False)
+        daemon.stop()
+    plain_losses, plain_params, plain_seen = _run(False, stage=2, device=device, tmp_path=tmp_path, clip=CLIP)
+    assert not plain_seen["stats"].tier.startswith("daemon")
+    assert losses == plain_losses
+    _assert_same(params, plain_params)
+    assert seen["overlap"].early_sub_groups > 0 and seen["overlap"].rollbacks > 0
