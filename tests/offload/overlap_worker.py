@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from offload.builder import init_distributed
-from tests.offload.harness import engine_config, make_batches, run_engine, twin_models
+from tests.offload.harness import engine_config, run_engine, twin_models
+from tests.offload.ranks_worker import start_rank
 
 PAUSE_SECONDS = 0.01
 """Backward of this tiny model takes microseconds, less than a gloo reduction; a pause before the
@@ -25,12 +25,7 @@ first layer's hooks lets the other buckets' reductions finish, and land, while b
 
 
 def main(out_dir: str, nvme_dir: str, steps: int, batch: int, runs: list[str]) -> None:
-    torch.set_num_threads(1)
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    half = batch // world
-    mine = [(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
-            for x, y in make_batches(steps, batch)]
+    rank, world, mine = start_rank(steps, batch)
     counters = {}
     for run in runs:
         stage, device, clip = run.split(":")
