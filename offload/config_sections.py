@@ -407,12 +407,12 @@ class OffloadSectionConfig:
     """The one-step delayed parameter update (offload.zero.delayed): the CPU step overlaps the next step."""
     delayed_update_warmup_steps: int = 40
     """Ordinary optimizer steps before the delayed update begins (a few dozen, as ZeRO-Offload does)."""
-    release_host_heap: bool = True
-    """Hand the host heap's free pages back to the kernel after each optimizer step, so resident
-    memory stays at what is live ([Note: host heap creep], offload.host_heap)."""
     overlap_step: bool | str = "auto"
     """Step sub-groups whose gradients have all landed while backward still runs
     (offload.zero.overlap): "auto" (on where the model computes on a GPU), true or false."""
+    release_host_heap: bool = True
+    """Hand the host heap's free pages back to the kernel after each optimizer step, so resident
+    memory stays at what is live ([Note: host heap creep], offload.host_heap)."""
 
     def __post_init__(self) -> None:
         _text(self, "daemon_socket")
