@@ -371,7 +371,8 @@ class Engine:
         return EngineStats(
             optimizer_device=self.config.zero.offload_optimizer.device.value,
             tier=self.tier.description if self.tier is not None else f"none (state on {self.device})",
-            state_bytes_by_tier=storage.bytes_by_tier(poll=self.delayed is None or not self.delayed.busy),
+            state_bytes_by_tier=storage.bytes_by_tier(poll=not any(x is not None and x.busy for x in
+                                                                   (self.delayed, self.overlap))),
             bytes_read_total=stats.bytes_read_total if stats else 0,
             bytes_written_total=stats.bytes_written_total if stats else 0,
             io_wait_seconds_total=storage.io_wait_seconds,

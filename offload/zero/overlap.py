@@ -23,8 +23,13 @@ and, as in the ordinary path, in bf16 and fp32 too). So the early steps are spec
    stepped once with the ordinary path's multiplier and plan, from the same state: the result
    is bit for bit the ordinary step's.
 What undoing keeps: with ``offload_optimizer`` cpu, a copy of each early sub-group's state block
-(master, exp_avg, exp_avg_sq: 12 bytes per element of the early sub-groups, plain host memory,
-kept for the next step; the copy runs on the worker, under backward). With nvme, nothing: the
+(master, exp_avg, exp_avg_sq: 12 bytes per element, plain host memory kept for the next step;
+the copy runs on the worker, under backward, and takes about as long as the Adam pass over the
+same block: 1.95 ms against 2.14 ms for 4M elements on 2 Zen 4 cores, quiet, and up to 2.5x when
+neighbours share the memory bus, ``tools/bench/bench_rollback_copy.py``). The copies are bounded: at most as many early
+sub-groups per step as their copies fit in the share of available memory the nvme window
+takes (``copies_that_fit``; 1/2 of MemAvailable over the node's ranks), never fewer than
+MIN_COPIES; the rest is stepped after backward. With nvme, nothing: the
 early blocks stay in host memory unmarked until the verdict, so NVMe still holds their state
 before the step; a rollback drops the host copies unwritten and reads them again, and a commit
 marks them dirty and evicts them. At most ``window - 1`` blocks are stepped early with nvme
@@ -59,10 +64,15 @@ from csrc import ConfigError
 from offload.precision import clip_coefficient
 from offload.zero.layout import Bucket
 from offload.zero.optimizer import PartitionedAdam, StepPlan
+from offload.zero.states import F32
+from offload.zero.window import window_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OverlappedStep", "overlap_wanted"]
+__all__ = ["OverlappedStep", "copies_that_fit", "overlap_wanted"]
+
+MIN_COPIES = 2
+"""Sub-groups stepped early per step with the state in host memory, whatever the memory says."""
 
 
 def overlap_wanted(setting: bool | str, *, device_type: str, stage: int, offloaded: bool, delayed: bool) -> bool:
@@ -86,10 +96,21 @@ def overlap_wanted(setting: bool | str, *, device_type: str, stage: int, offload
     return True
 
 
+def copies_that_fit(sub_group_numels: list[int]) -> int:
+    """How many sub-groups' rollback copies (12 bytes per element) the host may hold: as many of the
+    largest as fit in the share of the available memory the nvme window takes (``window_size``),
+    at least MIN_COPIES."""
+    return window_size([3 * F32 * n for n in sub_group_numels], floor=MIN_COPIES, fixed_bytes=0,
+                       host_memory_bytes=None, what="offload.overlap_step rollback copies")
+
+
 class OverlappedStep:
     """Speculative early steps of complete sub-groups, validated at the step ([Note: overlapped step])."""
 
-    def __init__(self, adam: PartitionedAdam, *, gradient_clipping: float) -> None:
+    def __init__(self, adam: PartitionedAdam, *, gradient_clipping: float, max_copies: int | None = None) -> None:
+        """``max_copies``: with the state in host memory (cpu), at most this many sub-groups are stepped
+        early per step, so the rollback copies hold at most that many state blocks; None: as many as fit
+        in the nvme window's share of the memory available now (``copies_that_fit``)."""
         if not adam._on_host:
             raise ConfigError("offload.overlap_step needs the optimizer state offloaded "
                               "(zero_optimization.offload_optimizer.device cpu or nvme)")
@@ -103,7 +124,10 @@ class OverlappedStep:
                 self._sgs_of.setdefault(b, []).append(sg.index)
         self._buckets_per_sg = [len({p.bucket for p in sg.pieces}) for sg in layout.sub_groups]
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-overlap")
-        self._backups: dict[int, torch.Tensor] = {}
+        self.max_copies = None if adam.storage.nvme else max_copies if max_copies is not None else \
+            copies_that_fit([sg.numel for sg in layout.sub_groups])
+        self._copies: list[torch.Tensor] = []  # rollback copies; the k-th early sub-group of a step uses the k-th
+        self._block_numel = 3 * max(sg.numel for sg in layout.sub_groups)
         self._left: list[int] = []
         self._armed = False
         self._hopeless = False
@@ -126,6 +150,11 @@ class OverlappedStep:
         self.rollbacks = 0
         """Steps whose early sub-groups were undone (clipping, overflow, a changed hyperparameter)."""
         adam.landed = self._landed
+
+    @property
+    def busy(self) -> bool:
+        """Sub-groups were stepped early and not yet validated (the worker may be on one)."""
+        return bool(self._futures)
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -158,8 +187,10 @@ class OverlappedStep:
         storage = self.adam.storage
         if storage.nvme and (len(self._eager) >= storage.window - 1 or not storage.prefetched(sg)):
             return
+        if not storage.nvme and self.max_copies is not None and len(self._eager) >= self.max_copies:
+            return
+        self._futures.append(self._pool.submit(self._step_early, sg, len(self._eager)))
         self._eager.append(sg)
-        self._futures.append(self._pool.submit(self._step_early, sg))
 
     def _hopeful(self) -> bool:
         """The sum of squares landed so far (a lower bound of the global one) is finite and unclipped."""
@@ -168,15 +199,14 @@ class OverlappedStep:
             return False
         return not (self.clip > 0 and clip_coefficient(math.sqrt(partial) * self._mult, self.clip) < 1.0)
 
-    def _step_early(self, sg: int) -> None:  # on the worker thread
+    def _step_early(self, sg: int, k: int) -> None:  # on the worker thread
         t0 = time.perf_counter()
         storage = self.adam.storage
         state = storage.acquire(sg)
         if not storage.nvme:
-            backup = self._backups.get(sg)
-            if backup is None:
-                backup = self._backups[sg] = torch.empty_like(state)
-            backup.copy_(state)
+            while len(self._copies) <= k:
+                self._copies.append(torch.empty(self._block_numel, dtype=torch.float32))
+            self._copies[k][:state.numel()].copy_(state)
             self.backup_seconds += time.perf_counter() - t0
         self.adam.step_sub_group(sg, state, self._mult, self._plan)
         self._spans.append((t0, time.perf_counter()))
@@ -232,11 +262,12 @@ class OverlappedStep:
     def _undo(self, eager: list[int]) -> None:
         t0 = time.perf_counter()
         storage = self.adam.storage
-        for sg in eager:
+        for k, sg in enumerate(eager):
             if storage.nvme:
                 storage.release(sg, dirty=False)  # NVMe holds the state from before the step
             else:
-                storage.state(sg).copy_(self._backups[sg])
+                state = storage.state(sg)
+                state.copy_(self._copies[k][:state.numel()])
         self.rollbacks += 1
         self.rollback_seconds += time.perf_counter() - t0
 

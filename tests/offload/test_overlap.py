@@ -196,6 +196,49 @@ def test_a_boundary_without_step_is_undone(tmp_path):
         engine.close()
 
 
+def _lr_changed_between_backward_and_step(overlap):
+    """A loop that sets a new LR after backward, before step(): the early steps used the old one."""
+    model, _ = twin_models()
+    config = engine_config(stage=1, device="cpu", batch_size=BATCH, offload={"overlap_step": overlap})
+    engine, _, _, _ = initialize(model=model, config=config, model_parameters=param_groups(model))
+    try:
+        for i, (x, y) in enumerate(make_batches(6, BATCH)):
+            engine.backward(loss_fn(engine(x), y))
+            for g in engine.optimizer.param_groups:
+                g["lr"] = 1e-2 / (i + 1)
+            engine.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, engine.overlap
+    finally:
+        engine.close()
+
+
+def test_a_hyperparameter_changed_after_backward_undoes_the_early_steps():
+    params, overlap = _lr_changed_between_backward_and_step(True)
+    plain, _ = _lr_changed_between_backward_and_step(False)
+    _assert_same(params, plain)
+    # steps 1-5 undone; step 0 sets the LR it started with, so its early sub-groups are kept
+    assert overlap.rollbacks == 5 and 0 < overlap.early_sub_groups <= overlap.max_copies
+
+
+def test_rollback_copies_are_bounded_by_the_memory_available(monkeypatch):
+    """Room for three sub-groups' copies in the window's share (1/2) of what is available: at most three
+    sub-groups are stepped early in a step, and three buffers are all the copies ever held."""
+    block = 3 * 4 * 512  # bytes of one sub-group's state (SUB_GROUP_NUMEL elements)
+    monkeypatch.setattr("offload.zero.window.available_bytes", lambda: 2 * 3 * block)
+    early_per_step, seen = [], {}
+
+    def inspect(engine, step):
+        total = engine.overlap.early_sub_groups
+        early_per_step.append(total - seen.get("total", 0))
+        seen.update(total=total, overlap=engine.overlap, sub_groups=len(engine.layout.sub_groups))
+
+    config = engine_config(stage=0, device="cpu", batch_size=BATCH, offload={"overlap_step": True})
+    model, _ = twin_models()
+    run_engine(model, config, make_batches(6, BATCH), on_step=inspect)
+    assert seen["overlap"].max_copies == 3 < seen["sub_groups"] - 1
+    assert max(early_per_step) == 3 and len(seen["overlap"]._copies) == 3
+
+
 def test_wall_clock_breakdown_shows_the_step_under_backward(caplog):
     config = engine_config(stage=0, device="cpu", batch_size=BATCH, offload={"overlap_step": True},
                            wall_clock_breakdown=True, steps_per_print=5)
