@@ -80,10 +80,10 @@ def overlap_wanted(setting: bool | str, *, device_type: str, stage: int, offload
     CPU-only machine backward and Adam would compete for the same cores), with the optimizer
     state offloaded, stages 0-2 and no delayed update; a GPU run it turns off says why, once.
     ``True`` in an unsupported combination was refused when the config was read."""
-    if setting is not True and setting != "auto":
-        return False
     if setting is True:
         return True
+    if setting != "auto":
+        return False
     if device_type != "cuda":
         logger.debug("offload.overlap_step auto: off (the model computes on the CPU)")
         return False
@@ -165,6 +165,7 @@ class OverlappedStep:
         self._mult = 1.0 / (loss_scale * world_size)
         self._plan = self.adam.prepare_step(count=False)
         self._hopeless = False
+        self._backward_end = 0.0
         self._armed = True
 
     def backward_done(self) -> None:

@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "Tiers: " + "; ".join(f"{n}: {t}" for n, t in engines.items()), ""]
     for name, ov in overlaps.items():  # offload.overlap_step: the step's time under backward and after it
         st = states[name]
+        paired = [a / b for a, b in zip(ratios[name], ratios["cpu"])]  # the same round's torch cancels
+        lines += [f"{name} / cpu, step time: {_fmt(paired)}x (median over rounds of the paired ratio)", ""]
         lines += [f"{name}, over all {st.optimizer_steps} steps: optimizer step under backward "
                   f"{ov.seconds_under_backward:.2f} s (of which copies kept for a rollback {ov.backup_seconds:.2f} s), "
                   f"after backward {st.step_seconds_total:.2f} s; {ov.early_sub_groups} sub-groups stepped early, "
