@@ -78,8 +78,8 @@ class EngineStats:
     skipped_steps: int
     """Steps skipped for a non-finite gradient."""
     step_seconds_under_backward_total: float = 0.0
-    """Optimizer step time that ran while backward still ran (offload.overlap_step); the time
-    after backward is ``step_seconds_total``."""
+    """Optimizer step time (wall time of its thread) that ran while backward still ran
+    (offload.overlap_step); the time after backward is ``step_seconds_total``."""
     overlap_rollbacks: int = 0
     """Steps whose sub-groups stepped under backward were undone (clipping, overflow)."""
 

@@ -24,9 +24,9 @@ and, as in the ordinary path, in bf16 and fp32 too). So the early steps are spec
    is bit for bit the ordinary step's.
 What undoing keeps: with ``offload_optimizer`` cpu, a copy of each early sub-group's state block
 (master, exp_avg, exp_avg_sq: 12 bytes per element, plain host memory kept for the next step;
-the copy runs on the worker, under backward, and takes about as long as the Adam pass over the
-same block: 1.95 ms against 2.14 ms for 4M elements on 2 Zen 4 cores, quiet, and up to 2.5x when
-neighbours share the memory bus, ``tools/bench/bench_rollback_copy.py``). The copies are bounded: at most as many early
+the copy runs on the worker, under backward, and takes 1.1-1.7x as long as the Adam pass over
+the same block: ``tools/bench/bench_rollback_copy.py``, figures in
+``tools/bench/results/step-overlap_2core-epyc_202611.md``). The copies are bounded: at most as many early
 sub-groups per step as their copies fit in the share of available memory the nvme window
 takes (``copies_that_fit``; 1/2 of MemAvailable over the node's ranks), never fewer than
 MIN_COPIES; the rest is stepped after backward. With nvme, nothing: the
