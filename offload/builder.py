@@ -31,6 +31,7 @@ from offload.tiers import Tier, open_tier, plan_bytes
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
+from offload.zero.overlap import OverlappedStep, overlap_wanted
 from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.states import StateStorage
 from offload.zero.unit_grads import UnitGradReducer
@@ -227,6 +228,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     offloaded = device_kind != OffloadDevice.NONE
     sub_group = min(zero.sub_group_size, OFFLOAD_SUB_GROUP_CAP) if offloaded else zero.sub_group_size
     shard = zero.stage >= 1 and ranks.world_size > 1
+    overlap = overlap_wanted(cfg.offload.overlap_step, device_type=ranks.device.type, stage=zero.stage,
+                             offloaded=offloaded, delayed=cfg.offload.delayed_update)
     parts = None
     if stage3:
         parts = build_stage3(model, [g["params"] for g in groups], names, zero=zero, aio=cfg.aio,
@@ -240,7 +243,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
                              for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
                             world_size=ranks.world_size if shard else 1, rank=ranks.rank if shard else 0,
-                            bucket_numel=zero.reduce_bucket_size, sub_group_numel=sub_group)
+                            bucket_numel=min(zero.reduce_bucket_size, sub_group) if overlap else zero.reduce_bucket_size,
+                            sub_group_numel=sub_group)  # overlap: buckets no larger than a sub-group
         logger.info("rank %d: %s", ranks.rank, layout.describe())
         flat_params = _flatten(model, layout, params, dtype, ranks.device)
         flat_grads = torch.zeros_like(flat_params)
@@ -284,6 +288,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             from offload.zero.delayed import DelayedUpdate
 
             engine.delayed = DelayedUpdate(adam, warmup_steps=cfg.offload.delayed_update_warmup_steps)
+        if overlap:
+            engine.overlap = OverlappedStep(adam, gradient_clipping=cfg.gradient_clipping)
+            reducer.land_early = True  # [Note: landing early] in offload.zero.overlap
         if tier is not None and tier.daemon:
             engine.commit = commit or CommitRegion(tier.store, existing=False)
             _stop_on_sigterm(engine)

@@ -14,7 +14,8 @@ The rules:
 - Every invalid value is a ``ConfigError`` naming the dotted key and the value: wrong
   types too ("true" for a bool, 1.5 for an integer). Integral floats such as ``5e8``
   are accepted for integer keys, as DeepSpeed configs often write sizes that way.
-- ``"auto"`` (what HF Trainer writes) is an error: the caller must resolve it.
+- ``"auto"`` (what HF Trainer writes) is an error: the caller must resolve it (except for
+  this project's keys that take "auto" as a value of their own: ``offload.overlap_step``).
 - Legacy forms are read and logged as deprecated: ``"zero_optimization": true/false``
   (stage 1/0, with the top-level ``allgather_size``), ``cpu_offload``,
   ``cpu_offload_param``, ``cpu_offload_use_pin_memory``, ``aio.thread_count``,
@@ -163,7 +164,7 @@ class _Section:
         if key not in self.mapping:
             return default
         value = self.mapping[key]
-        if isinstance(value, str) and value.strip().lower() == "auto":
+        if isinstance(value, str) and value.strip().lower() == "auto" and key not in self.table.auto:
             raise ConfigError(f'{self.dotted(key)} is "auto": resolve it to a value before calling '
                               f"(HF Trainer fills \"auto\" in; this engine does not guess)")
         return value

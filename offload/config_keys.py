@@ -35,6 +35,8 @@ class KeyTable:
     """Keys the reader handles itself."""
     unused: frozenset[str] = frozenset()
     """Acted-on keys whose value is kept in the dataclass but not used; logged as ignored."""
+    auto: frozenset[str] = frozenset()
+    """This project's keys for which "auto" is a value of their own, not HF Trainer's placeholder."""
 
     @property
     def known(self) -> frozenset[str]:
@@ -165,7 +167,8 @@ AIO = KeyTable(
 
 OFFLOAD = KeyTable(
     acted=_same("daemon_socket", "job_id", "host_memory_bytes", "swap_capacity_bytes", "checksum",
-                "delayed_update", "delayed_update_warmup_steps", "release_host_heap"),
+                "delayed_update", "delayed_update_warmup_steps", "release_host_heap", "overlap_step"),
+    auto=frozenset({"overlap_step"}),
 )
 
 DEPRECATED: Mapping[str, str] = types.MappingProxyType({

@@ -407,6 +407,9 @@ class OffloadSectionConfig:
     """The one-step delayed parameter update (offload.zero.delayed): the CPU step overlaps the next step."""
     delayed_update_warmup_steps: int = 40
     """Ordinary optimizer steps before the delayed update begins (a few dozen, as ZeRO-Offload does)."""
+    overlap_step: bool | str = "auto"
+    """Step sub-groups whose gradients have all landed while backward still runs
+    (offload.zero.overlap): "auto" (on where the model computes on a GPU), true or false."""
     release_host_heap: bool = True
     """Hand the host heap's free pages back to the kernel at an optimizer step when resident memory
     has crept 64 MiB past where it settled, so it stays near what is live ([Note: host heap creep],
@@ -419,6 +422,8 @@ class OffloadSectionConfig:
         _int(self, "swap_capacity_bytes", 1, optional=True)
         _bool(self, "checksum", "delayed_update", "release_host_heap")
         _int(self, "delayed_update_warmup_steps", 0)
+        if self.overlap_step not in (True, False, "auto"):
+            _fail(self, "overlap_step", 'true, false or "auto"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -464,3 +469,18 @@ class EngineConfig:
                                   "cpu or nvme (it overlaps the CPU's optimizer step with the next step)")
             if self.zero.stage == 3:
                 raise ConfigError("offload.delayed_update is not supported with zero_optimization.stage 3 yet")
+        if self.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
+            _overlap_step_supported(self)
+
+
+def _overlap_step_supported(config: EngineConfig) -> None:
+    """``offload.overlap_step: true`` in a combination it cannot run in: a ConfigError that says which."""
+    if config.offload.delayed_update:
+        raise ConfigError("offload.overlap_step and offload.delayed_update are exclusive (the delayed update "
+                          "already overlaps the whole step): turn one of them off")
+    if config.zero.offload_optimizer.device is OffloadDevice.NONE:
+        raise ConfigError("offload.overlap_step needs zero_optimization.offload_optimizer.device cpu or nvme "
+                          "(it overlaps the CPU's optimizer step with backward)")
+    if config.zero.stage == 3:
+        raise ConfigError("offload.overlap_step is not supported with zero_optimization.stage 3 (the step "
+                          "writes the param shards that backward's hooks gather from): set it false or \"auto\"")

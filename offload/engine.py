@@ -77,6 +77,11 @@ class EngineStats:
     """Steps taken (overflow-skipped steps not counted)."""
     skipped_steps: int
     """Steps skipped for a non-finite gradient."""
+    step_seconds_under_backward_total: float = 0.0
+    """Optimizer step time (wall time of its thread) that ran while backward still ran
+    (offload.overlap_step); the time after backward is ``step_seconds_total``."""
+    overlap_rollbacks: int = 0
+    """Steps whose sub-groups stepped under backward were undone (clipping, overflow)."""
 
 
 class Engine:
@@ -102,6 +107,7 @@ class Engine:
         self.training_dataloader = training_dataloader
         self.stage3 = stage3  # offload.zero.stage3.Stage3Parts: the param shards and their hooks
         self.delayed = None  # offload.zero.delayed.DelayedUpdate when offload.delayed_update is on
+        self.overlap = None  # offload.zero.overlap.OverlappedStep when offload.overlap_step is on
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -211,10 +217,17 @@ class Engine:
         first = (self.micro_steps % gas == 0) if stage2 else True
         if final and not (self.delayed is not None and self.delayed.busy):  # a delayed step prefetches itself
             self.adam.prefetch_states()  # NVMe -> host while backward runs
+        overlap = self.overlap if final else None
+        if overlap is not None:
+            if self.commit is not None:
+                self.commit.begin_step()  # the state is written under backward from now on
+            overlap.begin(self.scaler.scale, self.world_size)  # [Note: overlapped step]
         t0 = time.perf_counter()
         self.reducer.begin(reduce=reduce, first=first, final=final)
         factor = self.scaler.scale / gas
         (loss * factor if factor != 1.0 else loss).backward()
+        if overlap is not None:
+            overlap.backward_done()
         self.reducer.end()
         self.wall_seconds["backward"] += time.perf_counter() - t0
         return loss
@@ -249,6 +262,8 @@ class Engine:
         overflow = not math.isfinite(sumsq)
         if overflow:
             self.last_grad_norm = float("inf")
+            if self.overlap is not None:
+                self.overlap.cancel()
             self.adam.storage.cancel_prefetches()
             self.skipped_steps += 1
             logger.warning("rank %d step %d: gradient not finite (loss scale %g): step skipped",
@@ -269,6 +284,8 @@ class Engine:
         self.global_samples += self.train_batch_size()
         self.step_seconds += time.perf_counter() - t0
         self.wall_seconds["step"] = self.step_seconds
+        if self.overlap is not None:
+            self.wall_seconds["step under backward"] = self.overlap.seconds_under_backward
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0:
             logger.info("rank %d step %d: lr %s, grad norm %.4g, loss scale %g, step %.3f s total, I/O wait %.3f s",
@@ -285,6 +302,8 @@ class Engine:
         multiplier, self._multiplier = self._multiplier, None
         if self.delayed is not None and self.delayed.applies():
             self.delayed.start(multiplier)
+        elif self.overlap is not None:
+            self.overlap.step(multiplier)
         else:
             self.adam.step(multiplier)
 
@@ -332,6 +351,8 @@ class Engine:
         state = self.client_state if client_state is None else client_state
         if self.delayed is not None:
             self.delayed.finish()
+        if self.overlap is not None:
+            self.overlap.cancel()  # a speculation in flight is not a step's state ([Note: overlapped step])
         return save_checkpoint(self, save_dir, tag=tag, client_state=state, save_latest=save_latest)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -348,6 +369,8 @@ class Engine:
 
         if self.delayed is not None:
             self.delayed.discard()  # its params would overwrite the loaded ones
+        if self.overlap is not None:
+            self.overlap.cancel()
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -357,13 +380,16 @@ class Engine:
         return EngineStats(
             optimizer_device=self.config.zero.offload_optimizer.device.value,
             tier=self.tier.description if self.tier is not None else f"none (state on {self.device})",
-            state_bytes_by_tier=storage.bytes_by_tier(poll=self.delayed is None or not self.delayed.busy),
+            state_bytes_by_tier=storage.bytes_by_tier(poll=not any(x is not None and x.busy for x in
+                                                                   (self.delayed, self.overlap))),
             bytes_read_total=stats.bytes_read_total if stats else 0,
             bytes_written_total=stats.bytes_written_total if stats else 0,
             io_wait_seconds_total=storage.io_wait_seconds,
             step_seconds_total=self.step_seconds,
             optimizer_steps=self.adam.step_count,
             skipped_steps=self.skipped_steps,
+            step_seconds_under_backward_total=self.overlap.seconds_under_backward if self.overlap else 0.0,
+            overlap_rollbacks=self.overlap.rollbacks if self.overlap else 0,
         )
 
     def close(self, *, keep_session: bool = False) -> None:
@@ -373,6 +399,8 @@ class Engine:
         self._closed = True
         if self.delayed is not None:
             self.delayed.close()
+        if self.overlap is not None:
+            self.overlap.close()
         self.reducer.close()
         if self.commit is not None:
             self.commit.release()

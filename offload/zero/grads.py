@@ -81,6 +81,8 @@ class GradReducer:
         self._active = False
         self._first = True
         self._final = True
+        self.land_early = False
+        """Land finished reductions while backward runs, not only after it (``offload.zero.overlap``)."""
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
         self.attach_grads()
 
@@ -107,6 +109,8 @@ class GradReducer:
                 self._pending_count[b] -= 1
                 if self._pending_count[b] == 0:
                     self._launch(self.layout.buckets[b])
+                if self.land_early:
+                    self._land_ready()
         return on_grad
 
     def begin(self, *, reduce: bool, first: bool, final: bool) -> None:
@@ -179,21 +183,39 @@ class GradReducer:
         inflight, self._inflight = self._inflight, []
         for b, shard, work in inflight:
             work.wait()
-            if self._fetcher is not None and shard.is_cuda:
-                self._start_offload(b, shard)
-                continue
-            in_place = self.stage == 0  # the all-reduced bucket is the flat buffer's own
-            base = b.start if in_place else b.shard_start(self.layout.rank)
-            if not self._land(b, shard_source(shard, base), self._first, self._final, in_place):
-                self.flat_grads[b.start:b.start + b.numel].zero_()
+            self._reduced(b, shard)
         offloading, self._offloading = self._offloading, []
         for b, host, pending in offloading:
-            self._fetcher.wait_offload(pending)
-            self._land(b, host, self._first, self._final)
-            self.flat_grads[b.start:b.start + b.numel].zero_()  # after the copy read it (waited above)
+            self._offloaded(b, host, pending)
         self._active = False
         self._stealing = False
         self._zeros = True
+
+    def _reduced(self, b: Bucket, shard: torch.Tensor) -> None:
+        """A bucket whose reduction has finished: to the host (a GPU model) or landed."""
+        if self._fetcher is not None and shard.is_cuda:
+            self._start_offload(b, shard)
+            return
+        in_place = self.stage == 0  # the all-reduced bucket is the flat buffer's own
+        base = b.start if in_place else b.shard_start(self.layout.rank)
+        if not self._land(b, shard_source(shard, base), self._first, self._final, in_place):
+            self.flat_grads[b.start:b.start + b.numel].zero_()
+
+    def _offloaded(self, b: Bucket, host: torch.Tensor, pending: Any) -> None:
+        self._fetcher.wait_offload(pending)
+        self._land(b, host, self._first, self._final)
+        self.flat_grads[b.start:b.start + b.numel].zero_()  # after the copy read it (waited above)
+
+    def _land_ready(self) -> None:
+        """Land, during backward, the reductions and offloads that have finished, oldest first and
+        stopping at the first that has not: the same order ``end`` lands in, so the same sums
+        ([Note: landing early] in ``offload.zero.overlap``)."""
+        while self._inflight and self._inflight[0][2].is_completed():
+            b, shard, work = self._inflight.pop(0)
+            work.wait()
+            self._reduced(b, shard)
+        while self._offloading and (self._offloading[0][2].event is None or self._offloading[0][2].event.query()):
+            self._offloaded(*self._offloading.pop(0))
 
     def _start_offload(self, b: Bucket, src: torch.Tensor) -> None:
         """A reduced bucket (or shard) to its pinned host buffer, on the D2H stream; landed in ``end``."""

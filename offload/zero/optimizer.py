@@ -92,6 +92,8 @@ class PartitionedAdam:
         self._after_step = after_step
         self.step_count = 0
         self.sumsq = 0.0
+        self.landed: Callable[[Bucket], None] | None = None
+        """Told of each bucket landed at a cycle's last micro-step (``offload.zero.overlap``)."""
         self._on_host = storage.tier is not None or storage.device.type == "cpu"
         if not self._on_host and not bias_correction:
             raise ConfigError("optimizer.params.bias_correction false is not supported with the optimizer "
@@ -126,20 +128,23 @@ class PartitionedAdam:
             for off, src in source(p.flat_start, p.numel):
                 dsts.append(acc[p.sub_start + off:p.sub_start + off + src.numel()])
                 srcs.append(src)
+        zero = False
         if all(t.is_cpu for t in srcs) and all(d.is_cpu for d in dsts):  # one fused C pass ([Note: landing])
             zero = zero_source and self._covers[bucket.index]
             total = grad_land(dsts, srcs, accumulate=not first, zero_sources=zero, num_threads=self.num_threads)
             if final:
                 self.sumsq += total
-            return zero
-        for src, dst in zip(srcs, dsts):
-            if first:
-                dst.copy_(src)
-            else:
-                dst.add_(src)
-            if final:
-                self.sumsq += _sumsq(dst, self.num_threads)
-        return False
+        else:
+            for src, dst in zip(srcs, dsts):
+                if first:
+                    dst.copy_(src)
+                else:
+                    dst.add_(src)
+                if final:
+                    self.sumsq += _sumsq(dst, self.num_threads)
+        if final and self.landed is not None:
+            self.landed(bucket)
+        return zero
 
     def global_sumsq(self) -> float:
         """The sum of squares of the whole (summed, scaled) gradient, over all ranks; resets the tally."""
@@ -163,26 +168,33 @@ class PartitionedAdam:
         self.step_states(grad_multiplier, self.prepare_step())
         self.publish()
 
-    def prepare_step(self, grads: list[torch.Tensor] | None = None) -> StepPlan:
+    def prepare_step(self, grads: list[torch.Tensor] | None = None, *, count: bool = True) -> StepPlan:
         """What one step reads besides the states, fixed now (the step may run on another thread
         while the LR scheduler moves on): the step number, each group's hyperparameters, the
-        gradient accumulators (``grads``, default the storage's). Counts the step."""
+        gradient accumulators (``grads``, default the storage's). Counts the step unless ``count``
+        is False (the plan of a step that may not happen: ``offload.zero.overlap``)."""
         plan = StepPlan(self.step_count, {g: self._hyper(g) for g in range(len(self.optimizer.param_groups))},
                         grads if grads is not None else [self.storage.grad(i) for i in range(len(self.layout.sub_groups))])
-        self.step_count += 1
+        if count:
+            self.step_count += 1
         return plan
 
-    def step_states(self, grad_multiplier: float, plan: StepPlan) -> None:
-        """Adam over every sub-group's state (NVMe I/O pipelined); the new low-precision params go
-        to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model)."""
-        order = range(len(self.layout.sub_groups))
+    def step_states(self, grad_multiplier: float, plan: StepPlan, skip: frozenset[int] = frozenset()) -> None:
+        """Adam over every sub-group's state but ``skip``'s (NVMe I/O pipelined); the new low-precision
+        params go to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model)."""
+        order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
         self.storage.prefetch(order)
         self._staging_free()
-        for i in order:
+        for k, i in enumerate(order):
             state = self.storage.acquire(i)
-            self.storage.prefetch(order[i + 1:])
+            self.storage.prefetch(order[k + 1:])
             self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan)
             self.storage.release(i, dirty=True)
+
+    def step_sub_group(self, i: int, state: torch.Tensor, grad_multiplier: float, plan: StepPlan) -> None:
+        """Adam over one sub-group's resident ``state`` (``offload.zero.overlap`` steps them one by one)."""
+        self._staging_free()
+        self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan)
 
     def publish(self) -> None:
         """The updated params into the model: staging to the flat buffer, shards all-gathered."""

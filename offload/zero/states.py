@@ -152,6 +152,12 @@ class StateStorage:
             self._window.bring_in(sg)
         return self.state(sg)
 
+    def prefetched(self, sg: int) -> bool:
+        """Whether ``sg``'s block is in host memory or on its way there: ``acquire`` needs no room."""
+        where = self._placement[sg]
+        return where in (Placement.HOST, Placement.DEVICE, Placement.RESIDENT) or (
+            where == Placement.IN_FLIGHT and sg not in self._window.evicting)
+
     def release(self, sg: int, *, dirty: bool) -> None:
         """Done with a state block: with nvme, write it back if ``dirty`` and free its host copy (async)."""
         if not self.nvme or self._placement[sg] != Placement.RESIDENT:

@@ -20,13 +20,18 @@ from offload.builder import init_distributed
 from tests.offload.harness import engine_config, make_batches, run_engine, twin_models
 
 
-def main(out_dir: str, nvme_dir: str, steps: int, batch: int, clip: float, runs: list[str]) -> None:
+def start_rank(steps: int, batch: int) -> tuple[int, int, list]:
+    """Join the process group; this rank's number, the world size, and its half of every global batch."""
     torch.set_num_threads(1)
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     half = batch // world
-    mine = [(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
-            for x, y in make_batches(steps, batch)]
+    return rank, world, [(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
+                         for x, y in make_batches(steps, batch)]
+
+
+def main(out_dir: str, nvme_dir: str, steps: int, batch: int, clip: float, runs: list[str]) -> None:
+    rank, world, mine = start_rank(steps, batch)
     results = {}
     for run in runs:
         stage, device = run.split(":")

@@ -128,12 +128,13 @@ class EngineContender:
         self.engine.close()
 
 
-def engine_config(device: str, batch: int, nvme_path: str, buffer_count: int, checksum: bool = True) -> dict:
+def engine_config(device: str, batch: int, nvme_path: str, buffer_count: int, checksum: bool = True,
+                  overlap: bool = False) -> dict:
     offload: dict = {"device": device}
     if device == "nvme":
         offload.update(nvme_path=nvme_path, buffer_count=buffer_count)
     return {
-        "offload": {"checksum": checksum},
+        "offload": {"checksum": checksum, **({"overlap_step": True} if overlap else {})},
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10 ** 9,
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme", nargs="*", default=["4", "4:nocrc"],
                     help="one nvme contender per spec: buffer_count, with :nocrc for no checksums")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
+    ap.add_argument("--overlap", action="store_true",
+                    help="add a contender: cpu with offload.overlap_step true (the step under backward)")
     ap.add_argument("--daemon-ranks", type=int, default=0,
                     help="add the ranks row (step_ranks.py): N ranks, nvme through one daemon vs embedded stores")
     args = ap.parse_args(argv)
@@ -192,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     contenders = [TorchContender(copy.deepcopy(base))]
     for device in ("none", "cpu"):
         contenders.append(EngineContender(device, copy.deepcopy(base), engine_config(device, args.batch, tmp.name, 4)))
+    if args.overlap:
+        contenders.append(EngineContender("cpu, overlap_step", copy.deepcopy(base),
+                                          engine_config("cpu", args.batch, tmp.name, 4, overlap=True)))
     for spec in args.nvme:
         count, _, flag = spec.partition(":")
         name = f"nvme (buffer_count {count}{', no CRC' if flag == 'nocrc' else ''})"
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {statistics.median(v):.2f}s"
                                                           for n, v in round_step.items()), flush=True)
     states = {c.name: c.engine.offload_stats() for c in contenders if isinstance(c, EngineContender)}
+    overlaps = {c.name: c.engine.overlap for c in contenders
+                if isinstance(c, EngineContender) and c.engine.overlap is not None}
     engines = {c.name: c.engine.offload_stats().tier for c in contenders if isinstance(c, EngineContender)}
     for c in contenders:
         c.close()
@@ -267,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         ov = _fmt(overlap, digits=3) if c.name != "torch" else ""
         lines.append(f"| {c.name} | {_fmt(s['step'])} | {_fmt(s['opt'], digits=3)} | {wait} | {ov} | {ratio} | {opt_ratio} | {where} |")
     lines += ["", "Tiers: " + "; ".join(f"{n}: {t}" for n, t in engines.items()), ""]
+    for name, ov in overlaps.items():  # offload.overlap_step: the step's time under backward and after it
+        st = states[name]
+        paired = [a / b for a, b in zip(ratios[name], ratios["cpu"])]  # the same round's torch cancels
+        lines += [f"{name} / cpu, step time: {_fmt(paired)}x (median over rounds of the paired ratio)", ""]
+        lines += [f"{name}, over all {st.optimizer_steps} steps: optimizer step under backward "
+                  f"{ov.seconds_under_backward:.2f} s (of which copies kept for a rollback {ov.backup_seconds:.2f} s), "
+                  f"after backward {st.step_seconds_total:.2f} s; {ov.early_sub_groups} sub-groups stepped early, "
+                  f"{ov.rollbacks} steps rolled back", ""]
     drift = {n: max(abs(a - b) / b for a, b in zip(v, losses["torch"])) for n, v in losses.items() if n != "torch"}
     lines.append("Same losses as torch at every step (largest relative difference): "
                  + ", ".join(f"{n} {d:.1e}" for n, d in drift.items()))

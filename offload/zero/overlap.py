@@ -1,0 +1,284 @@
+"""The optimizer step overlapped with backward: a sub-group whose gradients have all landed is
+stepped by CPU Adam on a background thread while backward still runs on earlier layers
+(``offload.overlap_step``; SuperOffload's "speculation then validation", made exact).
+
+[Note: overlapped step] Sub-groups are cut from the partition in bucket order, and buckets in
+the order backward produces their gradients ([Note: flat layout]), so at an accumulation
+boundary the first sub-groups' gradients are complete long before backward ends. Stepping
+them then needs two numbers that depend on every gradient: the clip coefficient (the global
+norm) and the verdict of the overflow check (a non-finite gradient skips the step, in fp16
+and, as in the ordinary path, in bf16 and fp32 too). So the early steps are speculative:
+1. as the boundary's backward begins, fix what the step reads (``prepare_step(count=False)``:
+   step number, each group's LR and betas) and the multiplier of an unclipped step,
+   ``1 / (loss_scale * world_size)``;
+2. when a sub-group's last bucket lands (``PartitionedAdam.landed``), and the partial sum of
+   squares landed so far is finite and does not already clip (it only grows, so a partial
+   norm over ``gradient_clipping`` means the step will clip: speculation stops for this step),
+   keep what undoing it needs and step it on the worker thread; the new params go to the
+   staging buffer (never the params backward is reading), published after the step;
+3. at ``engine.step()``: wait for the worker; if the step is skipped (overflow), or its real
+   multiplier, step number or hyperparameters differ in any bit from the speculated ones
+   (clipping, a changed LR), restore the early sub-groups exactly and step everything as the
+   ordinary path does; otherwise step only the sub-groups left. Either way every sub-group is
+   stepped once with the ordinary path's multiplier and plan, from the same state: the result
+   is bit for bit the ordinary step's.
+What undoing keeps: with ``offload_optimizer`` cpu, a copy of each early sub-group's state block
+(master, exp_avg, exp_avg_sq: 12 bytes per element, plain host memory kept for the next step;
+the copy runs on the worker, under backward, and takes 1.1-1.7x as long as the Adam pass over
+the same block: ``tools/bench/bench_rollback_copy.py``, figures in
+``tools/bench/results/step-overlap_2core-epyc_202611.md``). The copies are bounded: at most
+as many early sub-groups per step as their copies fit in the share of available memory the
+nvme window takes (``copies_that_fit``; 1/2 of MemAvailable over the node's ranks), never
+fewer than MIN_COPIES; the rest is stepped after backward. With nvme, nothing: the early
+blocks stay in host memory unmarked until the verdict, so NVMe still holds their state from
+before the step; a rollback drops the host copies unwritten and reads them again, and a
+commit marks them dirty and evicts them. At most ``window - 1`` blocks are stepped early with nvme
+(those prefetched as backward began), so the rest of the step still has room to pipeline.
+With the daemon, the step-in-progress marker is set as the boundary's backward begins, not at
+``engine.step()``: a process that dies under backward leaves a state a resume calls torn.
+SuperOffload instead undoes a step algebraically (its ``adam_rollback``), which is not exact
+in floating point; a copy is.
+Besides: the params are staged (a copy of the partition in the compute dtype, as the delayed
+update's; a GPU model has it anyway), and buckets are cut no larger than a sub-group
+(``offload.builder``), or a 50M-element bucket would complete a dozen sub-groups at once.
+On a CPU-only machine it does not pay: backward and the worker share the cores, and the
+~100M GPT's step is 0.93-1.09x the ordinary one's on 2 cores (the results file above).
+
+[Note: landing early] With one rank on the CPU a bucket lands in its reduce hook, during
+backward. Where it is reduced across ranks (or copied off a GPU), it used to land after
+backward; with the overlap on, the reducer lands finished reductions (``Work.is_completed``, a
+copy's event) from the hooks, oldest first and stopping at the first unfinished one, so the
+landing order, and with it the sum of squares, is the one it lands in after backward. (gloo's
+reduce-scatter reports completion only once waited for, so with gloo, stages 1-2 still land,
+and step, after backward; its all-reduce (stage 0) and NCCL's collectives report it.)
+
+Not supported: stage 3 (the update writes the param shards the hooks gather from), the state
+on the GPU (``offload_optimizer`` none: nothing to overlap), and ``offload.delayed_update``
+(which overlaps the whole step already): ``true`` there is a ConfigError, "auto" is off.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+
+import torch
+
+from csrc import ConfigError
+from offload.precision import clip_coefficient
+from offload.zero.layout import Bucket
+from offload.zero.optimizer import PartitionedAdam, StepPlan
+from offload.zero.states import F32
+from offload.zero.window import window_size
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OverlappedStep", "copies_that_fit", "overlap_wanted"]
+
+MIN_COPIES = 2
+"""Sub-groups stepped early per step with the state in host memory, whatever the memory says."""
+
+
+def overlap_wanted(setting: bool | str, *, device_type: str, stage: int, offloaded: bool, delayed: bool) -> bool:
+    """Whether ``offload.overlap_step`` is on. "auto": where the model computes on a GPU (on a
+    CPU-only machine backward and Adam would compete for the same cores), with the optimizer
+    state offloaded, stages 0-2 and no delayed update; a GPU run it turns off says why, once.
+    ``True`` in an unsupported combination was refused when the config was read."""
+    if setting is True:
+        return True
+    if setting != "auto":
+        return False
+    if device_type != "cuda":
+        logger.debug("offload.overlap_step auto: off (the model computes on the CPU)")
+        return False
+    reason = ("offload.delayed_update is on" if delayed else
+              "the optimizer state is not offloaded" if not offloaded else
+              "zero_optimization.stage 3 is not supported" if stage == 3 else None)
+    if reason is not None:
+        logger.info("offload.overlap_step auto: off (%s); the step runs after backward", reason)
+        return False
+    return True
+
+
+def copies_that_fit(sub_group_numels: list[int]) -> int:
+    """How many sub-groups' rollback copies (12 bytes per element) the host may hold: as many of the
+    largest as fit in the share of the available memory the nvme window takes (``window_size``),
+    at least MIN_COPIES."""
+    return window_size([3 * F32 * n for n in sub_group_numels], floor=MIN_COPIES, fixed_bytes=0,
+                       host_memory_bytes=None, what="offload.overlap_step rollback copies")
+
+
+class OverlappedStep:
+    """Speculative early steps of complete sub-groups, validated at the step ([Note: overlapped step])."""
+
+    def __init__(self, adam: PartitionedAdam, *, gradient_clipping: float, max_copies: int | None = None) -> None:
+        """``max_copies``: with the state in host memory (cpu), at most this many sub-groups are stepped
+        early per step, so the rollback copies hold at most that many state blocks; None: as many as fit
+        in the nvme window's share of the memory available now (``copies_that_fit``)."""
+        if not adam._on_host:
+            raise ConfigError("offload.overlap_step needs the optimizer state offloaded "
+                              "(zero_optimization.offload_optimizer.device cpu or nvme)")
+        self.adam = adam
+        self.clip = gradient_clipping
+        adam.use_staging()  # raises for stage 3
+        layout = adam.layout
+        self._sgs_of: dict[int, list[int]] = {}
+        for sg in layout.sub_groups:
+            for b in sorted({p.bucket for p in sg.pieces}):
+                self._sgs_of.setdefault(b, []).append(sg.index)
+        self._buckets_per_sg = [len({p.bucket for p in sg.pieces}) for sg in layout.sub_groups]
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-overlap")
+        self.max_copies = None if adam.storage.nvme else max_copies if max_copies is not None else \
+            copies_that_fit([sg.numel for sg in layout.sub_groups])
+        self._copies: list[torch.Tensor] = []  # rollback copies; the k-th early sub-group of a step uses the k-th
+        self._block_numel = 3 * max(sg.numel for sg in layout.sub_groups)
+        self._left: list[int] = []
+        self._armed = False
+        self._hopeless = False
+        self._mult = 0.0
+        self._plan: StepPlan | None = None
+        self._eager: list[int] = []  # sub-groups submitted this step, in order
+        self._futures: list[concurrent.futures.Future] = []
+        self._spans: list[tuple[float, float]] = []  # worker (start, end) per early sub-group
+        self._backward_end = 0.0
+        self.seconds_under_backward = 0.0
+        """Early-step time that ran while backward still ran."""
+        self.seconds_after_backward = 0.0
+        """Early-step time that ran after backward, before ``engine.step()`` waited for it."""
+        self.backup_seconds = 0.0
+        """Worker time spent keeping copies of state blocks (cpu), within the two above."""
+        self.rollback_seconds = 0.0
+        """Time spent restoring early sub-groups (nvme: dropping them; the re-read is step time)."""
+        self.early_sub_groups = 0
+        """Sub-groups stepped early and kept."""
+        self.rollbacks = 0
+        """Steps whose early sub-groups were undone (clipping, overflow, a changed hyperparameter)."""
+        adam.landed = self._landed
+
+    @property
+    def busy(self) -> bool:
+        """Sub-groups were stepped early and not yet validated (the worker may be on one)."""
+        return bool(self._futures)
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def begin(self, loss_scale: float, world_size: int) -> None:
+        """Before the boundary's backward: fix what a speculative step reads; arm the landing watch."""
+        self.cancel()  # a speculation no step() validated (a boundary without engine.step())
+        self._left = list(self._buckets_per_sg)
+        self._mult = 1.0 / (loss_scale * world_size)
+        self._plan = self.adam.prepare_step(count=False)
+        self._hopeless = False
+        self._backward_end = 0.0
+        self._armed = True
+
+    def backward_done(self) -> None:
+        """Autograd has finished: buckets landed from now on are stepped with the rest."""
+        self._armed = False
+        self._backward_end = time.perf_counter()
+
+    def _landed(self, bucket: Bucket) -> None:
+        if not self._armed:
+            return
+        for sg in self._sgs_of.get(bucket.index, ()):
+            self._left[sg] -= 1
+            if self._left[sg] == 0:
+                self._ready(sg)
+
+    def _ready(self, sg: int) -> None:
+        if self._hopeless or not self._hopeful():
+            self._hopeless = True
+            return
+        storage = self.adam.storage
+        if storage.nvme and (len(self._eager) >= storage.window - 1 or not storage.prefetched(sg)):
+            return
+        if not storage.nvme and self.max_copies is not None and len(self._eager) >= self.max_copies:
+            return
+        self._futures.append(self._pool.submit(self._step_early, sg, len(self._eager)))
+        self._eager.append(sg)
+
+    def _hopeful(self) -> bool:
+        """The sum of squares landed so far (a lower bound of the global one) is finite and unclipped."""
+        partial = self.adam.sumsq
+        if not math.isfinite(partial):
+            return False
+        return not (self.clip > 0 and clip_coefficient(math.sqrt(partial) * self._mult, self.clip) < 1.0)
+
+    def _step_early(self, sg: int, k: int) -> None:  # on the worker thread
+        t0 = time.perf_counter()
+        storage = self.adam.storage
+        state = storage.acquire(sg)
+        if not storage.nvme:
+            while len(self._copies) <= k:
+                self._copies.append(torch.empty(self._block_numel, dtype=torch.float32))
+            self._copies[k][:state.numel()].copy_(state)
+            self.backup_seconds += time.perf_counter() - t0
+        self.adam.step_sub_group(sg, state, self._mult, self._plan)
+        self._spans.append((t0, time.perf_counter()))
+
+    def _join(self) -> list[int]:
+        """Wait for the worker; account its time; the sub-groups it stepped."""
+        futures, self._futures = self._futures, []
+        self._armed = False
+        error = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001 - raised below, after the rest finished
+                error = error or exc
+        end = self._backward_end or time.perf_counter()
+        for t0, t1 in self._spans:
+            under = max(0.0, min(t1, end) - t0)
+            self.seconds_under_backward += under
+            self.seconds_after_backward += (t1 - t0) - under
+        self._spans = []
+        eager, self._eager = self._eager, []
+        if error is not None:
+            raise error
+        return eager
+
+    # -- the verdict ---------------------------------------------------------------------------
+
+    def step(self, grad_multiplier: float) -> None:
+        """The boundary's step (instead of ``PartitionedAdam.step``): keep the early sub-groups if the
+        speculation holds, else undo them; step the rest; publish."""
+        eager = self._join()
+        plan = self.adam.prepare_step()
+        spec = self._plan
+        if eager and (grad_multiplier != self._mult or plan.step_count != spec.step_count
+                      or plan.hypers != spec.hypers):
+            logger.debug("overlapped step %d: speculation did not hold (multiplier %r vs %r): %d sub-group(s) undone",
+                         plan.step_count, grad_multiplier, self._mult, len(eager))
+            self._undo(eager)
+            eager = []
+        if self.adam.storage.nvme:
+            for sg in eager:
+                self.adam.storage.release(sg, dirty=True)
+        self.early_sub_groups += len(eager)
+        self.adam.step_states(grad_multiplier, plan, skip=frozenset(eager))
+        self.adam.publish()
+
+    def cancel(self) -> None:
+        """The step will not run (an overflow, a checkpoint loaded): undo what was stepped early."""
+        eager = self._join()
+        if eager:
+            self._undo(eager)
+
+    def _undo(self, eager: list[int]) -> None:
+        t0 = time.perf_counter()
+        storage = self.adam.storage
+        for k, sg in enumerate(eager):
+            if storage.nvme:
+                storage.release(sg, dirty=False)  # NVMe holds the state from before the step
+            else:
+                state = storage.state(sg)
+                state.copy_(self._copies[k][:state.numel()])
+        self.rollbacks += 1
+        self.rollback_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        try:
+            self.cancel()
+        finally:
+            self._pool.shutdown(wait=True)
