@@ -6,7 +6,9 @@ Contenders (``--contenders``, the names of ``step_gpu_plan.CONTENDERS``; the sam
 batches; one rank):
   torch          plain torch: fp32 params, ``torch.autocast`` bf16, ``torch.optim.AdamW(fused=True)``
   none           the engine, bf16, ZeRO stage 1, optimizer state on the GPU
-  opt-cpu        offload_optimizer cpu (fp32 master + moments in host memory, CPU Adam)
+  opt-cpu        offload_optimizer cpu (fp32 master + moments in host memory, CPU Adam; sub-groups
+                 stepped while backward runs: offload.overlap_step's default on a GPU)
+  opt-cpu-serial opt-cpu with offload.overlap_step false (every sub-group stepped after backward)
   opt-nvme       offload_optimizer nvme (swap file under --nvme-path)
   opt-cpu-dpu    opt-cpu with offload.delayed_update after one ordinary step (the CPU step of step t
                  overlaps forward and backward of step t+1)
@@ -83,6 +85,8 @@ def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str) -> di
               "zero_optimization": zero}
     if c.delayed:
         config["offload"] = {"delayed_update": True, "delayed_update_warmup_steps": 1}
+    if c.overlap is not None:
+        config.setdefault("offload", {})["overlap_step"] = c.overlap
     return config
 
 

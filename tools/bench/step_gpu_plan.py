@@ -46,12 +46,15 @@ class Contender:
     """offload_param.device (stage 3)."""
     delayed: bool = False
     """offload.delayed_update (after one ordinary step)."""
+    overlap: bool | None = None
+    """offload.overlap_step; None: the engine's default ("auto": on for offloaded stages 0-2 on a GPU)."""
 
 
 CONTENDERS = (
     Contender(name="torch", engine=False),
     Contender(name="none", stage=1),
     Contender(name="opt-cpu", stage=1, optimizer="cpu"),
+    Contender(name="opt-cpu-serial", stage=1, optimizer="cpu", overlap=False),
     Contender(name="opt-nvme", stage=1, optimizer="nvme"),
     Contender(name="opt-cpu-dpu", stage=1, optimizer="cpu", delayed=True),
     Contender(name="s3-param-cpu", stage=3, optimizer="cpu", param="cpu"),
