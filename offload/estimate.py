@@ -18,6 +18,10 @@ and what this engine holds, where, from its own buffers (``offload.builder``):
   gathered units (the persistent ones plus at most max(``stage3_max_live_parameters``, the
   largest unit)); per-unit gradient buffers (the unit in backward, the persistent one, and
   autograd's gradient of the largest param); the optimizer as above;
+- stages 0-2 with the state offloaded: a host staging buffer of the partition in the compute
+  dtype where the updated params do not go straight into the model (a GPU model, the delayed
+  update, the overlapped step), and the overlapped step's rollback copies (offload cpu: 12
+  bytes per element of as many sub-groups as ``offload.zero.overlap.copies_that_fit`` allows);
 - activations saved for backward, when the model is known (a GPT spec); backward's scratch
   (a transposed or packed copy of the largest weight and its fresh gradient); and the process's
   own memory (Python, torch, libraries: measured in this process after importing torch).
@@ -26,6 +30,7 @@ what the process holds (``EstimateRow.process_bytes``).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import math
@@ -34,6 +39,7 @@ from typing import Any, Iterable
 import torch
 
 from csrc import ConfigError
+from offload.zero.overlap import copies_that_fit, overlap_wanted
 from offload.zero.window import window_size
 
 logger = logging.getLogger(__name__)
@@ -157,10 +163,17 @@ class EstimateInput:
     """stage3_max_live_parameters (elements)."""
     baseline_bytes: int = 0
     """The process's own memory before the model (Python, torch)."""
+    gpu: bool = False
+    """The model computes on a GPU: offloaded updates go through a host staging buffer, and
+    ``offload.overlap_step`` "auto" is on."""
+    overlap_step: bool | str = "auto"
+    """offload.overlap_step."""
+    delayed_update: bool = False
+    """offload.delayed_update."""
 
     @classmethod
     def from_config(cls, config: Any, shapes: ModelShapes, *, world_size: int = 1,
-                    baseline_bytes: int = 0) -> "EstimateInput":
+                    baseline_bytes: int = 0, gpu: bool = False) -> "EstimateInput":
         """From an engine config (a dict or a JSON path, as ``initialize`` takes it)."""
         from offload.config import read_config, resolve_daemon_socket
 
@@ -171,7 +184,8 @@ class EstimateInput:
                    optimizer_buffer_count=z.offload_optimizer.buffer_count,
                    host_memory_bytes=cfg.offload.host_memory_bytes, daemon=bool(resolve_daemon_socket(cfg.offload)),
                    param_buffer_count=z.offload_param.buffer_count, max_live=z.stage3_max_live_parameters,
-                   baseline_bytes=baseline_bytes)
+                   baseline_bytes=baseline_bytes, gpu=gpu, overlap_step=cfg.offload.overlap_step,
+                   delayed_update=cfg.offload.delayed_update)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -247,8 +261,26 @@ def _stage012(stage: int, optimizer: str, inp: EstimateInput) -> list[tuple[str,
     s, c, n = inp.shapes, inp.compute_bytes, inp.world_size
     shard = stage >= 1 and n > 1
     total = _up(s.params, ALIGN * (n if shard else 1))
+    partition = total // n if shard else total
     parts = [("flat params", "device", c * total), ("flat gradients", "device", c * total)]
-    return parts + _optimizer_parts(total // n if shard else total, optimizer, inp)
+    return parts + _optimizer_parts(partition, optimizer, inp) + _staged_update_parts(stage, partition, optimizer, inp)
+
+
+def _staged_update_parts(stage: int, partition: int, optimizer: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
+    """The staging buffer and the overlapped step's rollback copies (``offload.zero.optimizer``, ``.overlap``)."""
+    if optimizer == "none":
+        return []
+    overlap = overlap_wanted(inp.overlap_step, device_type="cuda" if inp.gpu else "cpu", stage=stage,
+                             offloaded=True, delayed=inp.delayed_update)
+    parts = []
+    if inp.gpu or inp.delayed_update or overlap:
+        parts.append(("param staging (compute dtype)", "host", inp.compute_bytes * partition))
+    if overlap and optimizer == "cpu":
+        sub = min(inp.sub_group_size, SUB_GROUP_CAP)
+        numels = [sub] * (partition // sub) + ([partition % sub] if partition % sub else [])
+        copies = min(len(numels), copies_that_fit(numels))
+        parts.append(("rollback copies (offload.overlap_step)", "host", 12 * sum(sorted(numels, reverse=True)[:copies])))
+    return parts
 
 
 def _stage3(optimizer: str, param: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
@@ -382,7 +414,8 @@ def run_cli(args: Any) -> int:
     else:
         shapes = _model_spec(args.model, persistence_threshold=threshold)
     inp = EstimateInput.from_config(config, shapes, world_size=args.world_size,
-                                    baseline_bytes=0 if args.no_baseline else process_baseline_bytes())
+                                    baseline_bytes=0 if args.no_baseline else process_baseline_bytes(),
+                                    gpu=torch.cuda.is_available() if args.gpu is None else args.gpu)
     if args.dtype:
         inp = dataclasses.replace(inp, compute_bytes=4 if args.dtype == "fp32" else 2)
     est = estimate(inp, stages=args.stage or (0, 1, 2, 3))
@@ -413,4 +446,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--stage", type=int, action="append", choices=(0, 1, 2, 3), help="only this stage (repeatable)")
     parser.add_argument("--detail", metavar="STAGE[,OPT[,PARAM]]", help="also list the parts of one row, e.g. 3,nvme,nvme")
     parser.add_argument("--no-baseline", action="store_true", help="leave out this process's own memory")
+    parser.add_argument("--gpu", action=argparse.BooleanOptionalAction, default=None,
+                        help="the model computes on a GPU (host staging of offloaded updates, offload.overlap_step "
+                             "auto on); default: whether this machine has one")
     parser.add_argument("--json", action="store_true", help="the rows as JSON")

@@ -131,6 +131,11 @@ class OverlappedStep:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-overlap")
         self.max_copies = None if adam.storage.nvme else max_copies if max_copies is not None else \
             copies_that_fit([sg.numel for sg in layout.sub_groups])
+        if self.max_copies is not None:
+            held = sorted((sg.numel for sg in layout.sub_groups), reverse=True)[:self.max_copies]
+            logger.info("offload.overlap_step: up to %d of %d sub-groups stepped under backward per step; their "
+                        "rollback copies take up to %.2f GB of host memory (offload.overlap_step false: none)",
+                        len(held), len(layout.sub_groups), 3 * F32 * sum(held) / 1e9)
         self._copies: list[torch.Tensor] = []  # rollback copies; the k-th early sub-group of a step uses the k-th
         self._block_numel = 3 * max(sg.numel for sg in layout.sub_groups)
         self._left: list[int] = []

@@ -2,6 +2,7 @@
 prediction against the peak resident memory of a real stage-3 run (another process)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -98,3 +99,42 @@ def test_cli_table_json_and_bad_input(capsys):
     assert main(["estimate", "--params", "lots"]) == 2
     assert "not a count of parameters" in capsys.readouterr().err
     assert main(["estimate", "--gpt", "n_layer=2"]) == 2
+
+
+def test_staging_and_rollback_copies_by_hand():
+    """Stages 0-2 with the state offloaded: a GPU model's updates go through a host staging buffer
+    (c bytes per element of the partition), and offload.overlap_step ("auto" on a GPU) keeps
+    rollback copies of the state blocks (12 bytes per element, here of all 3 sub-groups: 120 MiB
+    fit in the share of memory the engine gives them). bf16, 10 Mi elements, sub-groups of 4 Mi."""
+    n, mi = 10 << 20, 1 << 20
+    base = EstimateInput(shapes=shapes_from_count(n, largest_layer=mi), compute_bytes=2)
+
+    def parts(inp, optimizer="cpu", stage=1):
+        return {what: b for what, _, b in estimate(inp).row(stage=stage, optimizer=optimizer).parts}
+
+    on_cpu = parts(base)
+    assert "param staging (compute dtype)" not in on_cpu and "rollback copies (offload.overlap_step)" not in on_cpu
+    gpu = parts(dataclasses.replace(base, gpu=True))
+    assert gpu["param staging (compute dtype)"] == 2 * n
+    assert gpu["rollback copies (offload.overlap_step)"] == 12 * n
+    assert estimate(dataclasses.replace(base, gpu=True)).row(stage=1, optimizer="cpu").host_bytes == \
+        estimate(base).row(stage=1, optimizer="cpu").host_bytes + 2 * n + 12 * n
+    serial = parts(dataclasses.replace(base, gpu=True, overlap_step=False))
+    assert serial["param staging (compute dtype)"] == 2 * n and "rollback copies (offload.overlap_step)" not in serial
+    nvme = parts(dataclasses.replace(base, gpu=True), optimizer="nvme")  # nvme undoes by re-reading: no copies
+    assert nvme["param staging (compute dtype)"] == 2 * n and "rollback copies (offload.overlap_step)" not in nvme
+    dpu = parts(dataclasses.replace(base, delayed_update=True))  # on the CPU too; no overlap beside it
+    assert dpu["param staging (compute dtype)"] == 2 * n and "rollback copies (offload.overlap_step)" not in dpu
+    for inp in (base, dataclasses.replace(base, gpu=True)):
+        none = parts(inp, optimizer="none")
+        assert "param staging (compute dtype)" not in none
+        stage3 = {what for what, _, _ in estimate(inp).row(stage=3, optimizer="cpu", param="cpu").parts}
+        assert "param staging (compute dtype)" not in stage3  # stage 3 writes the shards directly
+
+
+def test_from_config_reads_the_overlap_and_delayed_keys():
+    shapes = shapes_from_count(PSI)
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+           "offload": {"overlap_step": False, "delayed_update": True}}
+    inp = EstimateInput.from_config(cfg, shapes, gpu=True)
+    assert (inp.gpu, inp.overlap_step, inp.delayed_update) == (True, False, True)
