@@ -239,10 +239,15 @@ def zero_formula_bytes(stage: int, params: int, world_size: int, compute_bytes: 
     raise ConfigError(f"stage must be 0-3, got {stage}")
 
 
+def _sub_group_numels(partition: int, device: str, inp: EstimateInput) -> list[int]:
+    """Elements per optimizer sub-group of a partition (capped when offloaded, as ``offload.builder`` cuts them)."""
+    sub = min(inp.sub_group_size, SUB_GROUP_CAP) if device != "none" else inp.sub_group_size
+    return [sub] * (partition // sub) + ([partition % sub] if partition % sub else [])
+
+
 def _optimizer_parts(partition: int, device: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
     """The fp32 gradient accumulators and state blocks of a partition (``offload.tiers.plan_bytes``)."""
-    sub = min(inp.sub_group_size, SUB_GROUP_CAP) if device != "none" else inp.sub_group_size
-    numels = [sub] * (partition // sub) + ([partition % sub] if partition % sub else [])
+    numels = _sub_group_numels(partition, device, inp)
     if device == "none":
         return [("fp32 gradient accumulators", "device", 4 * partition), ("fp32 master + moments", "device", 12 * partition)]
     grads = sum(_up(4 * n, PAGE) for n in numels)
@@ -276,8 +281,7 @@ def _staged_update_parts(stage: int, partition: int, optimizer: str, inp: Estima
     if inp.gpu or inp.delayed_update or overlap:
         parts.append(("param staging (compute dtype)", "host", inp.compute_bytes * partition))
     if overlap and optimizer == "cpu":
-        sub = min(inp.sub_group_size, SUB_GROUP_CAP)
-        numels = [sub] * (partition // sub) + ([partition % sub] if partition % sub else [])
+        numels = _sub_group_numels(partition, optimizer, inp)
         copies = min(len(numels), copies_that_fit(numels))
         parts.append(("rollback copies (offload.overlap_step)", "host", 12 * sum(sorted(numels, reverse=True)[:copies])))
     return parts
