@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.optim.adam import adam as functional_adam  # torch.optim does not expose its submodules as attributes
 
 from cpu_adam import AdamConfig, adam_step, grad_land, grad_sumsq
 from csrc import ConfigError
@@ -327,7 +328,7 @@ def _torch_adam(masters, grads, ms, vs, outs, hyper: AdamConfig, mult: float, st
     device = masters[0].device
     steps = [torch.full((1,), float(step_count), device=device) for _ in masters]
     torch._foreach_mul_(grads, mult)
-    torch.optim.adam.adam(masters, grads, ms, vs, [], steps, fused=True, amsgrad=False, beta1=hyper.beta1,
-                          beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps,
-                          maximize=False, decoupled_weight_decay=hyper.adamw_mode)
+    functional_adam(masters, grads, ms, vs, [], steps, fused=True, amsgrad=False, beta1=hyper.beta1,
+                    beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps,
+                    maximize=False, decoupled_weight_decay=hyper.adamw_mode)
     torch._foreach_copy_(outs, masters)

@@ -21,6 +21,7 @@ import pytest
 
 from csrc.errors import DaemonNotRunningError
 from daemon.client import daemon_status
+from tests import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -103,7 +104,7 @@ def start_daemon(slow: bool = False, swap_paths: int = 1, **tables: dict) -> Dae
                "--read-delay-seconds", "1.0" if slow else "0"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     d = DaemonProcess(proc, os.path.join(workdir, "d.sock"), workdir, log_path)
     deadline = time.monotonic() + 30
     while True:
@@ -113,8 +114,9 @@ def start_daemon(slow: bool = False, swap_paths: int = 1, **tables: dict) -> Dae
         except (DaemonNotRunningError, OSError):
             if proc.poll() is not None or time.monotonic() > deadline:
                 d.stop()
+                log_text = Path(log_path).read_text()  # before the directory holding it goes
                 shutil.rmtree(workdir, ignore_errors=True)
-                raise RuntimeError(f"daemon did not start:\n{Path(log_path).read_text()}")
+                raise RuntimeError(f"daemon did not start:\n{log_text}")
             time.sleep(0.05)
 
 

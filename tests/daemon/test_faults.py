@@ -35,6 +35,7 @@ c.wait_for_evict(c.evict(names), timeout_seconds=30)
 c.prefetch(names)
 print("PREFETCHING", flush=True)
 import time; time.sleep(60)
+from tests import child_pythonpath
 """
 
 
@@ -57,7 +58,7 @@ def test_client_killed_mid_prefetch(daemon_factory):
     base = d.status()["pool"]["used_bytes"]
     swap_base = other.space.used_bytes
     victim = subprocess.Popen([sys.executable, "-c", VICTIM, d.socket_path], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     try:
         line = victim.stdout.readline()
         assert line.strip() == b"PREFETCHING", victim.stderr.read().decode()

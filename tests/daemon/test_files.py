@@ -20,6 +20,7 @@ import pytest
 from daemon.client import DaemonConnection, TierClient, TierClientConfig
 from daemon.protocol import PROTOCOL_VERSION, Kind
 from tests.daemon.conftest import REPO, write_config
+from tests import child_pythonpath
 
 MiB = 1 << 20
 
@@ -32,7 +33,7 @@ def files_under(directory: str) -> list[str]:
 
 def run_cli(config: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "offload.cli", "daemon", "--config", config], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ def test_a_stopping_daemon_leaves_its_successors_socket_alone(daemon_factory):
     config = write_config(workdir, server={"socket_path": old.socket_path})
     new = subprocess.Popen([sys.executable, "-m", "offload.cli", "daemon", "--config", config], cwd=REPO,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+                           env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -26,6 +26,7 @@ FLOODER = r"""
 import socket, sys, threading
 from daemon.client import DaemonConnection
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Kind, encode_frame
+from tests import child_pythonpath
 path, kind, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 conn = DaemonConnection(path, 60)
 if kind == "PREFETCH":
@@ -62,7 +63,7 @@ reader.join()
 def flood(d, kind: str, n: int) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", FLOODER, d.socket_path, kind, str(n)], cwd=REPO,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     assert p.stdout.readline().strip() == "FLOODING", p.stderr.read()
     return p
 

@@ -16,6 +16,7 @@ from csrc.errors import ConfigError, QuotaExceededError
 from daemon.client import DaemonConnection, TierClient, TierClientConfig
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Kind, encode_frame
 from tests.daemon.conftest import REPO, write_config
+from tests import child_pythonpath
 
 MiB = 1 << 20
 
@@ -221,7 +222,7 @@ def test_a_real_client_gets_in_while_600_idle_connections_hold_a_512_fd_daemon(t
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "offload.cli", "daemon", "--config", config], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_fds,
-                                env={**os.environ, "PYTHONPATH": str(REPO)})
+                                env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     sock_path = os.path.join(workdir, "d.sock")
     idle: list[socket.socket] = []
     try:

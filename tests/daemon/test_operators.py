@@ -18,13 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon.client import TierClient, TierClientConfig
 from daemon.metrics import DaemonMetrics
 from tests.daemon.conftest import REPO
+from tests import child_pythonpath
 
 MiB = 1 << 20
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "offload.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
 
 
 def get(port: int, path: str, timeout: float = 10) -> tuple[int, str]:

@@ -24,6 +24,7 @@ conn = DaemonConnection(sys.argv[1], 30)
 reply, fds = conn.request(Kind.HELLO, {"version": PROTOCOL_VERSION, "job_id": "hostile", "rank": 0,
                                        "quota_bytes": 0})
 import fcntl
+from tests import child_pythonpath
 print("SEALS", fcntl.fcntl(fds[0], fcntl.F_GET_SEALS), flush=True)
 region = conn.request(Kind.ALLOCATE, {"name": "r", "nbytes": 1 << 20})[0]["region"]
 m = mmap.mmap(fds[region["segment_index"]], reply["segments"][region["segment_index"]]["nbytes"])
@@ -57,7 +58,7 @@ def test_a_client_cannot_truncate_its_segments_under_the_daemon(daemon_factory):
     bystander.allocate("b", 4096)
     np.frombuffer(bystander.host_view("b"), np.uint8)[:] = 7
     out = subprocess.run([sys.executable, "-c", HOSTILE, d.socket_path], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         timeout=120, env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     lines = out.stdout.splitlines()
     assert d.proc.poll() is None, f"daemon died with {d.proc.returncode}:\n{d.log()[-3000:]}"
     assert "IO OK" in lines, out.stdout + out.stderr

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from tests.offload import ckpt_worker
+from tests import child_pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "offload", "ckpt_worker.py")
 
 
 def _run(args, *, ranks=1, env=None, timeout=240):
-    full_env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     if ranks == 1:
         cmd = [sys.executable, WORKER, *args]
     else:
@@ -71,7 +72,7 @@ def test_consolidate_writes_a_state_dict_the_model_loads(tmp_path):
     _run(["run", "cpu", str(tmp_path), "0", "10"], ranks=2, env={"SAVE": "1", "DROPOUT": "0"})
     out = tmp_path / "consolidated.pt"
     proc = subprocess.run([sys.executable, "-m", "offload.cli", "consolidate", str(tmp_path / "ckpt" / "global_step10"),
-                           str(out)], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+                           str(out)], env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = torch.load(out)
     net = ckpt_worker.model()

@@ -12,6 +12,7 @@ import pytest
 
 from offload.cli import main
 from offload.estimate import EstimateInput, estimate, gpt_shapes, shapes_from_count, zero_formula_bytes
+from tests import child_pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "offload", "estimate_worker.py")
@@ -65,7 +66,7 @@ def test_nvme_rows_by_hand():
 
 
 def _measured(opt_device: str, param_device: str, workdir: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT))
     proc = subprocess.run([sys.executable, WORKER, opt_device, param_device, workdir, "1", "1536"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

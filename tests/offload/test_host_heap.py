@@ -12,6 +12,7 @@ import pytest
 
 from offload import host_heap
 from offload.host_heap import HeapTrimmer, release_free_heap
+from tests import child_pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tools", "bench", "bench_host_heap.py")  # its --worker: one training process
@@ -22,7 +23,7 @@ def _rss_per_step(steps: int, release: bool) -> list[int]:
     """A ~28M-parameter GPT (width 1536, one block) trained on the CPU at stage 1, offload cpu."""
     proc = subprocess.run([sys.executable, WORKER, "--worker", "trim" if release else "no trim", "--steps", str(steps),
                            "--dim", "1536", "--layers", "1"],
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+                          env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT)), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["rss"]
 

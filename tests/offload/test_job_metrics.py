@@ -17,6 +17,7 @@ import torch
 from tests.daemon.conftest import STORE, start_daemon
 from tests.daemon.prom import needs_prometheus, prometheus, scrape
 from tests.offload.resume_worker import read_losses
+from tests import child_pythonpath
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
 
@@ -27,7 +28,7 @@ RANKS = 2
 
 
 def _torchrun(workdir, *, socket=None, restarts=0, **env) -> subprocess.Popen:
-    full = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **{k: str(v) for k, v in env.items()})
+    full = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), OMP_NUM_THREADS="1", **{k: str(v) for k, v in env.items()})
     full.pop("OFFLOAD_DAEMON_SOCKET", None)
     if socket:
         full["OFFLOAD_DAEMON_SOCKET"] = socket

@@ -13,6 +13,7 @@ import torch
 
 from tests.daemon.conftest import STORE, start_daemon
 from tests.offload.resume_worker import read_losses
+from tests import child_pythonpath
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
 
@@ -30,7 +31,7 @@ def daemon():
 
 
 def _run(workdir, device, *, ranks=1, restarts=0, socket=None, timeout=300, **env):
-    full = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **{k: str(v) for k, v in env.items()})
+    full = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), OMP_NUM_THREADS="1", **{k: str(v) for k, v in env.items()})
     full.pop("OFFLOAD_DAEMON_SOCKET", None)
     if socket:
         full["OFFLOAD_DAEMON_SOCKET"] = socket

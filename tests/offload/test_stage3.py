@@ -13,6 +13,7 @@ import torch
 
 from offload import init_context, initialize
 from tests.offload import stage3_worker as w
+from tests import child_pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "offload", "stage3_worker.py")
@@ -145,7 +146,7 @@ def test_init_context_builds_the_model_in_its_partitions(tmp_path):
 
 
 def _torchrun(args, *, ranks, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, WORKER, *args] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
         "--standalone", WORKER, *args]
