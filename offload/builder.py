@@ -276,7 +276,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,
                                gather=shard, params_out=parts.shards.params_out if parts else None,
                                after_step=parts.coordinator.after_step if parts else None, fetcher=fetcher)
-        reducer = UnitGradReducer(layout, params, group=ranks.group, comm_world=ranks.world_size, land=adam.land) \
+        reducer = UnitGradReducer(layout, params, group=ranks.group, comm_world=ranks.world_size, land=adam.land,
+                                  fetcher=fetcher) \
             if stage3 else GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
                                        comm_world=ranks.world_size, land=adam.land, fetcher=fetcher)
         scheduler = _scheduler(lr_scheduler, cfg, facade)

@@ -11,11 +11,17 @@ and freed. So backward holds the buffers of the units it is in, plus at most
 the end, so every rank runs the same collectives and the accumulators hold no stale values.
 
 Stage 3 reduces every micro-step (as stage 2): the accumulators sum micro-steps (``first``).
+
+On a GPU with the optimizer state on the host (``fetcher`` given), a unit's reduced gradient goes
+to a pinned host buffer on the Fetcher's D2H stream while backward goes on, and lands from there
+once the copy is in, oldest first (the same order, so the same sums). At most ``max_in_flight``
+copies are outstanding and their host buffers are reused, so the pinned memory is that many of
+the largest unit, not the model.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +39,7 @@ class UnitGradReducer:
     """Per-unit gradient buffers, reduced as each unit's backward completes (the engine's reducer for stage 3)."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], *, group: dist.ProcessGroup | None,
-                 comm_world: int, land: Land, max_in_flight: int = 2) -> None:
+                 comm_world: int, land: Land, max_in_flight: int = 2, fetcher: Any = None) -> None:
         self.layout = layout
         self.params = list(params)
         self.group = group
@@ -48,6 +54,9 @@ class UnitGradReducer:
         self._pending: list[int] = []
         self._launched: list[bool] = []
         self._inflight: list[tuple[Bucket, torch.Tensor, torch.Tensor, object]] = []
+        self._fetcher = fetcher
+        self._offloading: list[tuple[Bucket, torch.Tensor, Any]] = []  # (unit, host buffer, pending copy)
+        self._spare_hosts: list[torch.Tensor] = []  # pinned buffers whose copies have landed
         self._active = False
         self._first = True
         self._final = True
@@ -96,7 +105,7 @@ class UnitGradReducer:
             buf = self._buffer(u)
             self._bufs.pop(u)
         if self.comm_world == 1:
-            self._land(b, buf, self._first, self._final)
+            self._reduced(b, buf)
             return
         while len(self._inflight) >= self.max_in_flight:
             self._finish(self._inflight.pop(0))
@@ -107,7 +116,28 @@ class UnitGradReducer:
     def _finish(self, entry) -> None:
         b, out, _, work = entry
         work.wait()
-        self._land(b, out, self._first, self._final)
+        self._reduced(b, out)
+
+    def _reduced(self, b: Bucket, grad: torch.Tensor) -> None:
+        """A unit's reduced gradient: landed now, or (a GPU one, with a fetcher) sent to the host first."""
+        if self._fetcher is None or not grad.is_cuda:
+            self._land(b, grad, self._first, self._final)
+            return
+        while len(self._offloading) >= self.max_in_flight:
+            self._landed_from_host(*self._offloading.pop(0))
+        host = self._host_buffer(grad)
+        self._offloading.append((b, host, self._fetcher.start_offload([(host, grad)])))
+
+    def _host_buffer(self, grad: torch.Tensor) -> torch.Tensor:
+        for i, spare in enumerate(self._spare_hosts):
+            if spare.dtype == grad.dtype and spare.numel() >= grad.numel():
+                return self._spare_hosts.pop(i)[:grad.numel()]
+        return torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=True)
+
+    def _landed_from_host(self, b: Bucket, host: torch.Tensor, pending: Any) -> None:
+        self._fetcher.wait_offload(pending)
+        self._land(b, host, self._first, self._final)
+        self._spare_hosts.append(host._base if host._base is not None else host)
 
     def end(self) -> None:
         """After backward: reduce the units no gradient reached (zeros), land everything in flight."""
@@ -118,6 +148,8 @@ class UnitGradReducer:
                 self._launch(b.index)
         while self._inflight:
             self._finish(self._inflight.pop(0))
+        while self._offloading:
+            self._landed_from_host(*self._offloading.pop(0))
         self._active = False
 
     def zero(self) -> None:
@@ -131,3 +163,5 @@ class UnitGradReducer:
         self._handles = []
         self._bufs.clear()
         self._inflight.clear()
+        self._offloading.clear()
+        self._spare_hosts.clear()
