@@ -17,6 +17,7 @@ import csrc.errors
 from daemon.client import TierClient, TierClientConfig
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Kind, encode_frame
 from tests.daemon.conftest import STORE
+from tests import child_pythonpath
 
 TierFullError = getattr(csrc.errors, "TierFullError", None)
 
@@ -35,7 +36,6 @@ c.wait_for_evict(c.evict(names), timeout_seconds=30)
 c.prefetch(names)
 print("PREFETCHING", flush=True)
 import time; time.sleep(60)
-from tests import child_pythonpath
 """
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from daemon.client import TierClient, TierClientConfig
 from tests.daemon.conftest import REPO
+from tests import child_pythonpath
 
 MiB = 1 << 20
 
@@ -26,7 +27,6 @@ FLOODER = r"""
 import socket, sys, threading
 from daemon.client import DaemonConnection
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Kind, encode_frame
-from tests import child_pythonpath
 path, kind, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 conn = DaemonConnection(path, 60)
 if kind == "PREFETCH":

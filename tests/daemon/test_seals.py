@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from daemon.client import TierClient, TierClientConfig
+from tests import child_pythonpath
+
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +26,6 @@ conn = DaemonConnection(sys.argv[1], 30)
 reply, fds = conn.request(Kind.HELLO, {"version": PROTOCOL_VERSION, "job_id": "hostile", "rank": 0,
                                        "quota_bytes": 0})
 import fcntl
-from tests import child_pythonpath
 print("SEALS", fcntl.fcntl(fds[0], fcntl.F_GET_SEALS), flush=True)
 region = conn.request(Kind.ALLOCATE, {"name": "r", "nbytes": 1 << 20})[0]["region"]
 m = mmap.mmap(fds[region["segment_index"]], reply["segments"][region["segment_index"]]["nbytes"])
