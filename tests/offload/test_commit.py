@@ -143,36 +143,46 @@ def test_ranks_resume_only_from_one_common_step(said, verdict):
 def test_a_kill_while_any_sub_group_is_written_reads_torn(mode, store):
     """The region a restart would find at the moment each sub-group's state has just been written (a
     SIGKILL there): torn, whether the write ran in engine.step() (ordinary), under the boundary's
-    backward (overlap_step) or on the delayed step's thread; after each step, that step's commit.
-    The delayed step's thread is held back a little, so a commit that does not wait for it is taken
-    first. The region lives in a store of its own here (the daemon's holds the same bytes)."""
+    backward (overlap_step: backward is held open until an early step has been read back) or on the
+    delayed step's thread (held back a little, so that a commit that does not wait for it is taken
+    first); after each step, that step's commit. The region lives in a store of its own here (the
+    daemon's holds the same bytes)."""
     offload = {"overlap_step": True} if mode == "overlap_step" else \
         {"delayed_update": True, "delayed_update_warmup_steps": 0} if mode == "delayed_update" else {}
     model, _ = twin_models()
     config = engine_config(stage=2, device="cpu", batch_size=8, offload=offload)
     engine, _, _, _ = initialize(model=model, config=config, model_parameters=param_groups(model))
     engine.commit = CommitRegion(store, existing=False)
-    seen: list[tuple[str, bool]] = []
-    in_backward = threading.Event()
+    seen: list[tuple[str, str]] = []  # (verdict, the thread that wrote the sub-group)
+    early = threading.Event()
     step_sub_group = engine.adam._step_sub_group
 
     def recorded(*args, **kwargs):
-        if threading.current_thread() is not threading.main_thread() and mode == "delayed_update":
+        worker = threading.current_thread() is not threading.main_thread()
+        if worker and mode == "delayed_update":
             time.sleep(0.2)
         step_sub_group(*args, **kwargs)
-        seen.append((inspect_session(store)[0], in_backward.is_set()))
+        seen.append((inspect_session(store)[0], threading.current_thread().name))
+        if worker:
+            early.set()
 
     engine.adam._step_sub_group = recorded
+    if mode == "overlap_step":
+        backward_done = engine.overlap.backward_done
+
+        def held_open():
+            early.wait(timeout=60)
+            early.clear()
+            backward_done()
+        engine.overlap.backward_done = held_open
     try:
         for step, (x, y) in enumerate(make_batches(5, 8)):
-            loss = loss_fn(engine(x), y)
-            in_backward.set()
-            engine.backward(loss)
-            in_backward.clear()
+            engine.backward(loss_fn(engine(x), y))
             engine.step()
             assert inspect_session(store)[:2] == (RESUME, step + 1)
     finally:
         engine.close()
     assert seen and all(verdict == TORN for verdict, _ in seen), seen
     if mode == "overlap_step":
-        assert any(under for _, under in seen), "some sub-groups should have been stepped under backward"
+        early_steps = [name for _, name in seen if name.startswith("offload-overlap")]
+        assert len(early_steps) >= 5, "every step should have stepped a sub-group under backward"
