@@ -5,7 +5,9 @@ partition, unit after unit). With cpu or nvme each unit's shard is a region ``pa
 of the tier (the embedded ``TierStore``; the same verbs as the optimizer's), seen through
 ``host_view``. With nvme a shard is on NVMe unless it is being used or was prefetched for
 use, and at most ``window`` shards hold host memory at once (``offload.zero.window.HostWindow``,
-which drops a prefetched shard nobody holds when it needs room); the host pool is sized for
+which drops a prefetched shard nobody holds when it needs room; when a shard is needed and the
+window holds only shards in use and prefetches in flight, ``acquire`` waits for the oldest of
+those prefetches and drops it); the host pool is sized for
 ``window`` of the largest shard, so no unit is ever too large for it.
 """
 from __future__ import annotations
@@ -116,9 +118,21 @@ class ShardStore:
     def acquire(self, b: int) -> torch.Tensor:
         """The shard of unit ``b`` (held until ``release``), waiting for or starting its prefetch."""
         if self.nvme:
+            if self._place[b] == ShardPlacement.NVME and not self._window.make_room():
+                self._land_oldest_prefetch()
             self._window.bring_in(b)
         self._pins[b] += 1
         return self._view(b)
+
+    def _land_oldest_prefetch(self) -> None:
+        """The window is full of shards in use and prefetches in flight (prefetched along an order that
+        changed): wait for the oldest prefetch nobody holds, so that it is idle and can be dropped for
+        the shard needed now."""
+        pending = self._window.handles
+        b = next((b for b in pending if self._place[b] == ShardPlacement.IN_FLIGHT and b not in self._window.evicting
+                  and not self._pins[b]), None)
+        if b is not None:
+            self._window.bring_in(b)
 
     def release(self, b: int, *, dirty: bool) -> None:
         """Done with a shard; with nvme it goes back (written if ``dirty``) once nobody holds it."""

@@ -2,13 +2,16 @@
 
 usage: resume_worker.py DEVICE WORKDIR STEPS
 Environment: FAULT=kill-forward|kill-step|sigterm-forward with FAULT_STEP and FAULT_RANK (first attempt
-only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start).
+only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start), OVERLAP=1
+(offload.overlap_step on).
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
 import os
 import signal
 import sys
+import threading
+import time
 
 import torch
 
@@ -32,6 +35,9 @@ def main() -> int:
     config["offload"] = {"job_id": os.environ.get("JOB_ID", "resume-test")}
     if not os.environ.get("OFFLOAD_DAEMON_SOCKET"):
         config.pop("offload")
+    if os.environ.get("OVERLAP"):  # offload.overlap_step: a kill-step fault then dies under backward
+        config.setdefault("offload", {})["overlap_step"] = True
+        config["gradient_clipping"] = 0.0  # this model's norms clip: no sub-group would be stepped early
     net = ckpt_worker.model()
     try:
         engine, _, _, _ = initialize(model=net, config=config)
@@ -63,8 +69,17 @@ def main() -> int:
 
                     def dying(*args, **kwargs):
                         step_sub_group(*args, **kwargs)
+                        with open(os.path.join(workdir, f"faulted-rank{rank}"), "w") as f:
+                            f.write(threading.current_thread().name)  # an overlapped step's worker, or main
                         os.kill(os.getpid(), signal.SIGKILL)
                     engine.adam._step_sub_group = dying
+                    if engine.overlap is not None:  # hold backward open: the early step's kill lands under it
+                        backward_done = engine.overlap.backward_done
+
+                        def held_open():
+                            time.sleep(60)
+                            backward_done()
+                        engine.overlap.backward_done = held_open
             x, y = data[step]
             x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
             loss = torch.nn.functional.mse_loss(engine(x), y)

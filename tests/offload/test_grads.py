@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload.builder import initialize
-from tests.offload.harness import engine_config, loss_fn, make_batches, param_groups, twin_models
+from tests.offload.harness import engine_config, loss_fn, make_batches, param_groups, torch_optimizer, twin_models
 
 
 def _torch_grads(model, batches) -> dict[str, torch.Tensor]:
@@ -92,5 +92,37 @@ def test_land_takes_a_shard_tensor_too():
                     assert torch.equal(got, shard[p.flat_start - base:p.flat_start - base + p.numel])
                     landed += float((got.double() ** 2).sum())
         assert adam.global_sumsq() == pytest.approx(landed, rel=1e-12) and landed > 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_grad_in_the_middle_of_an_accumulation_cycle_drops_what_was_accumulated(stage):
+    """torch's rule: ``zero_grad()`` after two of four micro-steps leaves only the last two's gradient
+    for the step. Checked by the step's gradient norm (the landed sum) and the params after it,
+    against torch doing the same, over several cycles. Stages 0 and 1 hold the cycle's gradient in the
+    flat buffer until the boundary; stage 2 reduces every micro-step into the optimizer's accumulators,
+    which ``zero_grad()`` leaves alone, as DeepSpeed's stage 2 leaves its partitioned gradients."""
+    gas, micro, steps = 4, 4, 3
+    model, ref = twin_models()
+    batches = make_batches(steps, gas * micro)
+    opt = torch_optimizer("AdamW", param_groups(ref), foreach=False)
+    cfg = engine_config(stage=stage, device="cpu", batch_size=micro, gas=gas)
+    engine, _, _, _ = initialize(model=model, config=cfg, model_parameters=param_groups(model))
+    try:
+        for x, y in batches:
+            for i, (mx, my) in enumerate(zip(x.chunk(gas), y.chunk(gas))):
+                if i == 2:
+                    ref.zero_grad(set_to_none=False)
+                    engine.zero_grad()
+                (loss_fn(ref(mx), my) / gas).backward()
+                engine.backward(loss_fn(engine(mx), my))
+                engine.step()
+            norm = sum(float((p.grad.double() ** 2).sum()) for p in ref.parameters() if p.grad is not None) ** 0.5
+            opt.step()
+            ref.zero_grad(set_to_none=True)
+            assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), msg=lambda m: f"{name}: {m}")
     finally:
         engine.close()

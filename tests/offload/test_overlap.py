@@ -239,6 +239,33 @@ def test_rollback_copies_are_bounded_by_the_memory_available(monkeypatch):
     assert max(early_per_step) == 3 and len(seen["overlap"]._copies) == 3
 
 
+@pytest.mark.parametrize("buffer_count", [2, 3])
+def test_with_nvme_the_early_steps_leave_one_slot_of_the_window(buffer_count, tmp_path):
+    """With nvme the early sub-groups stay in host memory until the verdict: at most ``window - 1`` of
+    them per step, so one slot is left for the rest of the step to pipeline through. The prefetch
+    at the boundary fills the window, so that many are stepped early at every step (never the whole
+    window); the result is the ordinary step's."""
+    early_per_step, seen = [], {}
+
+    def inspect(engine, step):
+        total = engine.overlap.early_sub_groups
+        early_per_step.append(total - seen.get("total", 0))
+        seen.update(total=total, window=engine.adam.storage.window, sub_groups=len(engine.layout.sub_groups))
+
+    batches = make_batches(6, BATCH)
+    results = []
+    for overlap in (True, False):
+        config = engine_config(stage=1, device="nvme", nvme_path=tmp_path, batch_size=BATCH,
+                               offload={"overlap_step": overlap})
+        config["zero_optimization"]["offload_optimizer"]["buffer_count"] = buffer_count
+        model, _ = twin_models()
+        results.append(run_engine(model, config, batches, on_step=inspect if overlap else None))
+    assert seen["window"] == buffer_count < seen["sub_groups"]
+    assert early_per_step == [buffer_count - 1] * len(batches)
+    assert results[0][0] == results[1][0]
+    _assert_same(results[0][1], results[1][1])
+
+
 def test_wall_clock_breakdown_shows_the_step_under_backward(caplog):
     config = engine_config(stage=0, device="cpu", batch_size=BATCH, offload={"overlap_step": True},
                            wall_clock_breakdown=True, steps_per_print=5)

@@ -22,6 +22,7 @@ import math
 import pytest
 import torch
 
+from offload.precision import LossScaler, LossScalerConfig, clip_coefficient
 from tests.offload.harness import (
     assert_losses_close, engine_config, make_batches, overflowing, run_engine, run_mixed, run_torch,
     twin_models,
@@ -189,3 +190,72 @@ def test_gradient_accumulation_matches_a_hand_accumulated_loop(stage, device, cl
     assert not any(boundaries), "after a boundary step the next micro-step is not a boundary"
     if clip:
         assert sum(n > clip for n in ref_norms) >= steps // 2, "clipping should act on most steps"
+
+
+# (overflow?, the scale after the update), window 3, hysteresis 2, from 2^4, by DeepSpeed's rule: the
+# scale doubles at the window-th clean step since the last overflow (or since the start), refilling the
+# hysteresis; an overflow spends one hysteresis, and halves the scale when only one is left.
+SCHEDULE = [(False, 16), (False, 16), (False, 32),  # the third clean step since the start doubles
+            (True, 32),  # hysteresis 2 -> 1: kept
+            (False, 32), (False, 32), (False, 64),  # the third clean step after the overflow doubles, refills
+            (True, 64), (True, 32),  # 2 -> 1 kept, then halved
+            (False, 32), (False, 32), (False, 64), (False, 64), (False, 64), (False, 128)]
+
+
+def test_loss_scale_follows_deepspeeds_schedule_step_by_step():
+    """The dynamic scale after every update, against the schedule written out by hand and the
+    DeepSpeed scaler above; a window of 3 so that the doubling's step is pinned several times."""
+    ours = LossScaler(LossScalerConfig(initial_scale_power=4, window_steps=3, hysteresis=2))
+    oracle = DeepSpeedScaler(power=4, window=3, hysteresis=2)
+    for i, (overflow, expected) in enumerate(SCHEDULE):
+        ours.update(overflow)
+        oracle.update(overflow)
+        assert (ours.scale, oracle.scale) == (expected, expected), f"after update {i} (overflow {overflow})"
+
+
+def test_loss_scale_window_counts_from_the_last_overflow_after_a_resume():
+    """The schedule carries across state_dict / load_state_dict: a scaler restored mid-window doubles
+    at the same step as the one that ran on."""
+    config = LossScalerConfig(initial_scale_power=4, window_steps=3, hysteresis=2)
+    ran, restored = LossScaler(config), LossScaler(config)
+    for overflow, _ in SCHEDULE[:8]:
+        ran.update(overflow)
+    restored.load_state_dict(ran.state_dict())
+    for i, (overflow, expected) in enumerate(SCHEDULE[8:], start=8):
+        ran.update(overflow)
+        restored.update(overflow)
+        assert (ran.scale, restored.scale) == (expected, expected), f"after update {i}"
+
+
+@pytest.mark.parametrize("norm", [0.0, 0.25, 0.999, 1.0, 1.5, 40.0, math.inf, math.nan])
+def test_clip_coefficient_is_clip_grad_norms(norm):
+    """Against torch's clip_grad_norm_ on a gradient of that norm: under the limit it scales by 1
+    (never up), over it by max_norm / (norm + 1e-6); a non-finite norm leaves the step to the overflow check."""
+    max_norm = 1.0
+    coefficient = clip_coefficient(norm, max_norm)
+    if not math.isfinite(norm):
+        assert coefficient == 1.0
+        return
+    grad = torch.zeros(4, dtype=torch.float64)
+    grad[0] = norm
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    p.grad = grad.clone()
+    torch.nn.utils.clip_grad_norm_([p], max_norm)
+    assert coefficient <= 1.0
+    assert math.isclose(p.grad[0].item(), norm * coefficient, rel_tol=1e-12, abs_tol=1e-300)
+
+
+@pytest.mark.parametrize("stage,device", [(2, "cpu"), (1, "nvme")])
+def test_clipping_that_never_binds_changes_nothing(stage, device, tmp_path):
+    """A limit above every step's norm: the run equals torch with the same (idle) clip_grad_norm_."""
+    clip = 50.0
+    batches = make_batches(20, BATCH)
+    model, ref = twin_models()
+    ref_norms: list[float] = []
+    ref_losses, ref_params = run_torch(ref, batches, clip=clip, norms_out=ref_norms)
+    assert max(ref_norms) < clip / 2, "the limit should never bind"
+    config = engine_config(stage=stage, device=device, nvme_path=tmp_path, gradient_clipping=clip)
+    losses, params = run_engine(model, config, batches)
+    assert_losses_close(losses, ref_losses, rel=1e-5)
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], msg=lambda m: f"{name}: {m}")

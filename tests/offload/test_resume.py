@@ -85,14 +85,21 @@ def test_rank_killed_in_forward_resumes_from_the_daemon_exactly(tmp_path, daemon
     _same(reference, tmp_path, ranks=2)
 
 
-def test_kill_inside_the_step_is_torn_and_the_checkpoint_continues(tmp_path, daemon):
+@pytest.mark.parametrize("device,overlap", [("nvme", ""), ("cpu", "1")])
+def test_kill_inside_the_step_is_torn_and_the_checkpoint_continues(tmp_path, daemon, device, overlap):
+    """With offload.overlap_step (cpu: the state is stepped in place in the daemon's memory) the first
+    sub-group is stepped under the boundary's backward, which the worker holds open: the kill lands
+    there, and the state must read torn all the same."""
     ref = tmp_path / "ref"
     ref.mkdir()
-    assert _run(ref, "nvme", CKPT_EVERY=10).returncode == 0
+    assert _run(ref, device, CKPT_EVERY=10, OVERLAP=overlap).returncode == 0
     run = tmp_path / "run"
     run.mkdir()
-    proc = _run(run, "nvme", restarts=2, socket=daemon.socket_path, CKPT_EVERY=10, FAULT="kill-step", FAULT_STEP=15)
+    proc = _run(run, device, restarts=2, socket=daemon.socket_path, CKPT_EVERY=10, FAULT="kill-step", FAULT_STEP=15,
+                OVERLAP=overlap)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    killed_on = (run / "faulted-rank0").read_text()
+    assert killed_on.startswith("offload-overlap") if overlap else killed_on == "MainThread"
     assert "TORN:" in proc.stderr and "global_step10" in proc.stderr  # the error names the checkpoint
     assert _final(run)["resumed_step"] is None  # the fresh start loaded the checkpoint instead
     _same(ref, run)

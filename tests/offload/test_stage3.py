@@ -201,3 +201,78 @@ def test_checkpoint_resume_is_the_uninterrupted_run(tmp_path, param_device):
                 assert torch.equal(p.detach(), q)
     finally:
         resumed.close()
+
+
+class Reversible(Deep):
+    """Deep, whose layers run last to first while ``reverse`` is set: a fetch order that changes."""
+
+    reverse = False
+
+    def forward(self, x, y):
+        for layer in (reversed(self.layers) if self.reverse else self.layers):
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _fetches_per_step(tmp_path, reverse_at: list[bool], *, prefetch_numel: int = UNIT, reuse: int = 10 ** 9,
+                      losses: list[float] | None = None) -> list[tuple[int, int]]:
+    """(units gathered, shard prefetches started) in each step, the params on NVMe; the losses to ``losses``."""
+    tmp_path.mkdir()
+    torch.manual_seed(0)
+    net = Reversible()
+    g = torch.Generator().manual_seed(2)
+    config = w.config("cpu", "nvme", str(tmp_path), stage3_max_live_parameters=10 * UNIT,
+                      stage3_max_reuse_distance=reuse, stage3_prefetch_bucket_size=prefetch_numel)
+    config["train_batch_size"] = 4
+    engine, _, _, _ = initialize(model=net, config=config)
+    per_step, before = [], (0, 0)
+    try:
+        for reverse in reverse_at:
+            net.reverse = reverse
+            loss = engine(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g))
+            engine.backward(loss)
+            engine.step()
+            if losses is not None:
+                losses.append(loss.item())
+            stats = engine.stage3.coordinator.stats()
+            per_step.append((stats.gathers - before[0], stats.prefetches - before[1]))
+            before = (stats.gathers, stats.prefetches)
+    finally:
+        engine.close()
+    return per_step
+
+
+def test_a_changed_fetch_order_replaces_the_recorded_one(tmp_path):
+    """[Note: fetch order]: three steps in one order, then four in the reverse. The first reversed step
+    follows the stale order (it fetches and prefetches more than it would knowing the order), and records
+    the new one: from the next step on, the fetch statistics are those of a run that only ever ran
+    reversed."""
+    changed = _fetches_per_step(tmp_path / "changed", [False] * 3 + [True] * 4)
+    always = _fetches_per_step(tmp_path / "always", [True] * 7)
+    assert changed[:3] == always[:3]  # the same counts in either direction (a mirror image)
+    assert changed[3] > always[3], "the step after the change should pay for the stale order"
+    assert changed[4:] == always[4:]
+
+
+def test_prefetches_along_a_stale_order_never_block_the_shard_needed_now(tmp_path):
+    """A prefetch budget of every unit, more than the NVMe window holds: after the order changes the
+    window fills with prefetches along the stale order, all in flight; the shard the forward needs
+    then waits for the oldest of them to land and takes its place (it used to fail: no room). The
+    run still matches torch."""
+    pattern = [False] * 2 + [True] * 3
+    torch.manual_seed(0)
+    ref = Reversible()
+    g = torch.Generator().manual_seed(2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
+    ref_losses = []
+    for reverse in pattern:
+        ref.reverse = reverse
+        loss = ref(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        ref_losses.append(loss.item())
+    losses: list[float] = []
+    _fetches_per_step(tmp_path / "run", pattern, prefetch_numel=UNITS * UNIT, reuse=0, losses=losses)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)

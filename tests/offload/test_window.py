@@ -13,7 +13,7 @@ from offload.tiers import plan_bytes
 from offload.zero import window as window_mod
 from offload.zero.window import HostWindow, window_size
 from tests.offload.harness import (
-    BUFFER_COUNT, assert_losses_close, engine_config, make_batches, run_engine, run_torch, twin_models,
+    BUFFER_COUNT, assert_losses_close, engine_config, make_batches, overflowing, run_engine, run_torch, twin_models,
 )
 
 MIB = 1 << 20
@@ -115,3 +115,28 @@ def test_arrived_retires_a_finished_prefetch_without_waiting():
     assert window.arrived(0) and not window.arrived(1)
     window.bring_in(1)  # the blocking path still works after polls
     assert places[1] == Place.RESIDENT
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_overflow_gives_the_prefetched_blocks_back(overlap, tmp_path):
+    """With nvme the boundary's backward prefetches the window's blocks for the step; a step skipped
+    for an fp16 overflow must give them back, as a step that ran does: after every step (its evicts
+    waited for), offload_stats shows every state byte on NVMe and none held in host memory."""
+    overflow_steps = {2, 3, 6}
+    batches = overflowing(make_batches(9, 8), overflow_steps)
+    seen = []
+
+    def inspect(engine, step):
+        engine.adam.storage.drain()
+        stats = engine.offload_stats()
+        seen.append((step, stats.skipped_steps, dict(stats.state_bytes_by_tier)))
+
+    model, _ = twin_models()
+    cfg = engine_config(stage=2, device="nvme", nvme_path=tmp_path, fp16={"enabled": True, "initial_scale_power": 8},
+                        offload={"overlap_step": overlap})
+    run_engine(model, cfg, batches, on_step=inspect)
+    assert [skipped for _, skipped, _ in seen] == [sum(s <= i for s in overflow_steps) for i in range(9)]
+    total = sum(seen[0][2].values())
+    for step, _, by_tier in seen:
+        assert by_tier.get("host", 0) == 0 and by_tier.get("in_flight", 0) == 0 and by_tier["nvme"] == total, \
+            f"after step {step}: {by_tier}"

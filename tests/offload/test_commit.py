@@ -1,0 +1,188 @@
+"""The per-step commit region and the ranks' verdict (``offload.resume``), at the level of their rules.
+
+[Note: commit region layout]: between ``begin_step`` and the end of ``commit`` the region must read
+as torn wherever the process dies, and a region nobody committed to is never resumed from. The
+writes are recorded through the store's host view and replayed up to every kill point onto the
+real region, which is then read back by ``inspect_session``, as a restarted rank reads it.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from offload.builder import initialize
+from offload.resume import FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
+from swap import TierStore
+from tests.offload.harness import engine_config, loss_fn, make_batches, param_groups, twin_models
+
+
+class RecordingView:
+    """A host view that records every slice assignment (offset, bytes) before applying it."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.writes: list[tuple[int, bytes]] = []
+
+    def __setitem__(self, key: slice, value) -> None:
+        start = key.start or 0
+        self.writes.append((start, bytes(value)))
+        self.view[key] = value
+
+    def __getitem__(self, key):
+        return self.view[key]
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
+class RecordingStore:
+    """The embedded store, with the commit region's writes recorded."""
+
+    def __init__(self, store: TierStore) -> None:
+        self.store = store
+        self.views: dict[str, RecordingView] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def host_view(self, name: str) -> RecordingView:
+        if name not in self.views:
+            self.views[name] = RecordingView(self.store.host_view(name))
+        return self.views[name]
+
+
+@pytest.fixture
+def store():
+    s = TierStore.create(host_capacity_bytes=1 << 20, swap_paths=[], swap_capacity_bytes=0)
+    yield s
+    s.close()
+
+
+def test_a_new_region_holds_nothing_to_resume(store):
+    CommitRegion(store, existing=False)
+    verdict, step, payload, _ = inspect_session(store)
+    assert (verdict, step, payload) == (TORN, -1, None)  # created, never committed: not a step's state
+
+
+def test_a_kill_between_begin_step_and_the_marker_reads_torn(store):
+    """Commit step 4, then record begin_step + commit(5) and replay every prefix of those writes
+    (and half of each long write) onto the region: before the first write the region is step 4's,
+    after the last it is step 5's, and at every point in between it reads torn."""
+    recording = RecordingStore(store)
+    region = CommitRegion(recording, existing=False)
+    old, new = {"at": 4, "pad": "x" * 100}, {"at": 5, "pad": "y" * 3000}  # the new payload is longer
+    region.commit(4, old)
+    view = recording.views[next(iter(recording.views))]
+    before = bytes(view.view)
+    view.writes.clear()
+    region.begin_step()
+    region.commit(5, new)
+    writes = list(view.writes)
+    assert len(writes) >= 2
+
+    def read_after(prefix: list[tuple[int, bytes]]):
+        view.view[:] = before
+        for offset, data in prefix:
+            view.view[offset:offset + len(data)] = data
+        verdict, step, payload, _ = inspect_session(store)
+        return verdict, step, payload
+
+    assert read_after([]) == (RESUME, 4, old)
+    assert read_after(writes) == (RESUME, 5, new)
+    for k in range(1, len(writes)):
+        assert read_after(writes[:k])[0] == TORN, f"killed after write {k} of {len(writes)}: {writes[k - 1][0]=}"
+    for k, (offset, data) in enumerate(writes):
+        if len(data) > 8:  # a long write cut in the middle
+            cut = writes[:k] + [(offset, data[:len(data) // 2])]
+            assert read_after(cut)[0] == TORN, f"killed inside write {k + 1} (offset {offset})"
+
+
+def _agree_on_two_ranks(said: list[tuple[str, int]]) -> list[str]:
+    """``agree`` run by two ranks of a real gloo group (one thread each), each with its own verdict."""
+    out: list = [None, None]
+    errors: list = []
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = dist.FileStore(os.path.join(tmp, "store"), 2)
+
+        def rank(r: int) -> None:
+            try:
+                group = dist.ProcessGroupGloo(dist.PrefixStore("agree", rendezvous), r, 2)
+                out[r] = agree(said[r][0], said[r][1], group, 2)[0]
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.parametrize("said,verdict", [
+    ([(RESUME, 5), (RESUME, 5)], RESUME),
+    ([(RESUME, 5), (RESUME, 6)], TORN),  # committed different steps: no common state
+    ([(RESUME, 6), (RESUME, 5)], TORN),
+    ([(FRESH, -1), (FRESH, -1)], FRESH),
+    ([(FRESH, -1), (RESUME, 5)], TORN),
+    ([(RESUME, 5), (TORN, 5)], TORN),
+])
+def test_ranks_resume_only_from_one_common_step(said, verdict):
+    assert _agree_on_two_ranks(said) == [verdict, verdict]
+
+
+# -- the engine's use of the region: torn wherever the optimizer state is being written ----------------
+
+@pytest.mark.parametrize("mode", ["ordinary", "overlap_step", "delayed_update"])
+def test_a_kill_while_any_sub_group_is_written_reads_torn(mode, store):
+    """The region a restart would find at the moment each sub-group's state has just been written (a
+    SIGKILL there): torn, whether the write ran in engine.step() (ordinary), under the boundary's
+    backward (overlap_step: backward is held open until an early step has been read back) or on the
+    delayed step's thread (held back a little, so that a commit that does not wait for it is taken
+    first); after each step, that step's commit. The region lives in a store of its own here (the
+    daemon's holds the same bytes)."""
+    offload = {"overlap_step": True} if mode == "overlap_step" else \
+        {"delayed_update": True, "delayed_update_warmup_steps": 0} if mode == "delayed_update" else {}
+    model, _ = twin_models()
+    config = engine_config(stage=2, device="cpu", batch_size=8, offload=offload)
+    engine, _, _, _ = initialize(model=model, config=config, model_parameters=param_groups(model))
+    engine.commit = CommitRegion(store, existing=False)
+    seen: list[tuple[str, str]] = []  # (verdict, the thread that wrote the sub-group)
+    early = threading.Event()
+    step_sub_group = engine.adam._step_sub_group
+
+    def recorded(*args, **kwargs):
+        worker = threading.current_thread() is not threading.main_thread()
+        if worker and mode == "delayed_update":
+            time.sleep(0.2)
+        step_sub_group(*args, **kwargs)
+        seen.append((inspect_session(store)[0], threading.current_thread().name))
+        if worker:
+            early.set()
+
+    engine.adam._step_sub_group = recorded
+    if mode == "overlap_step":
+        backward_done = engine.overlap.backward_done
+
+        def held_open():
+            early.wait(timeout=60)
+            early.clear()
+            backward_done()
+        engine.overlap.backward_done = held_open
+    try:
+        for step, (x, y) in enumerate(make_batches(5, 8)):
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+            assert inspect_session(store)[:2] == (RESUME, step + 1)
+    finally:
+        engine.close()
+    assert seen and all(verdict == TORN for verdict, _ in seen), seen
+    if mode == "overlap_step":
+        early_steps = [name for _, name in seen if name.startswith("offload-overlap")]
+        assert len(early_steps) >= 5, "every step should have stepped a sub-group under backward"
