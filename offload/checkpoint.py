@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from csrc import ConfigError
-from offload.engine import rng_state, set_rng_state
+from offload.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ import unicodedata
 from typing import Any
 
 from csrc.errors import OffloadError
+from offload.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,6 @@ def _daemon(args: argparse.Namespace) -> int:
     }
     config = load_config(args.config, overrides)
     return run_daemon(config)
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in B, KiB, MiB, GiB or TiB, one decimal above bytes."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def escape(text: str) -> str:

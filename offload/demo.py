@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from csrc.errors import ConfigError
-from offload.cli import format_bytes
+from offload.units import format_bytes
 from offload.models import GPT, CharTokenizer, GPTConfig, TextWindows, load_corpus, split_tokens
 from offload.termplot import plot_lines
 
