@@ -181,10 +181,9 @@ class Engine:
             out = self.module(*args, **kwargs)
         except RuntimeError as err:
             if self.stage3 is not None and "storage of size 0" in str(err):
-                raise ConfigError(
-                    "stage 3: a forward read a parameter that is not gathered, most likely one that another "
-                    "module owns; register it with the module that reads it: "
-                    "offload.register_external_parameter(module, param) ([Note: external parameters])") from err
+                from offload.zero.external import unregistered_read_error
+
+                raise unregistered_read_error(self.module, err) from err
             raise
         self.wall_seconds["forward"] += time.perf_counter() - t0
         return out
