@@ -202,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, help="model init and data seed (0)")
     m.add_argument("--delayed-update", type=int, metavar="WARMUP",
                    help="the one-step delayed parameter update after WARMUP ordinary steps (off)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bar, only the summary")
+    m.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, else a line every 5 s), only the summary")
     m.add_argument("--log-level", type=_log_level, default=logging.WARNING)
     m.set_defaults(fn=_demo)
 
