@@ -166,6 +166,8 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
     logger.debug("rank %d: stage 3 layout: %s", rank, layout.describe())
     itemsize = torch.empty(0, dtype=dtype).element_size()
     tier = _param_tier(zero, layout, itemsize, rank=rank, aio=aio, checksum=checksum, offload=offload)
+    logger.info("rank %d: stage 3 param shards in %s", rank,
+                tier.placement if tier is not None else f"{device.type} memory (not offloaded)")
     try:
         shards = ShardStore(layout, dtype=dtype, device=device, tier=tier.store if tier else None,
                             nvme=zero.offload_param.device == OffloadDevice.NVME,
