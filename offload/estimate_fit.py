@@ -15,6 +15,7 @@ import shutil
 import tempfile
 
 from offload.units import format_bytes
+from offload.zero.window import available_bytes
 
 __all__ = ["Machine", "Verdict", "answer", "change_text", "daemon_sizes", "machine_here", "nvme_path",
            "smallest_change", "verdict"]
@@ -63,17 +64,6 @@ class Verdict:
         return "yes" if self.fits else "no: " + ", ".join(f"{what} +{format_bytes(n)}" for what, n in self.short)
 
 
-def _host_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def machine_here(*, host_gib: float | None, gpu_gib: float | None, nvme_gib: float | None,
                  nvme_path: str | None, gpu: bool, ranks: int = 1) -> Machine:
     """This machine's memories, each replaced by the figure given for it."""
@@ -92,7 +82,7 @@ def machine_here(*, host_gib: float | None, gpu_gib: float | None, nvme_gib: flo
         while not os.path.exists(probe) and os.path.dirname(probe) != probe:
             probe = os.path.dirname(probe)
         nvme = shutil.disk_usage(probe).free
-    host = int(host_gib * GIB) if host_gib is not None else _host_available()
+    host = int(host_gib * GIB) if host_gib is not None else (available_bytes() or 0)
     return Machine(host_bytes=host, nvme_bytes=nvme, gpu=gpu or gpu_bytes is not None, gpu_bytes=gpu_bytes,
                    nvme_path=where, ranks=ranks)
 
