@@ -15,6 +15,7 @@ __all__ = [
     "BuildError",
     "TierFullError",
     "SwapIOError",
+    "CheckpointWriteError",
     "ChecksumError",
     "DaemonNotRunningError",
     "ProtocolError",
@@ -45,6 +46,11 @@ class TierFullError(OffloadError):
 class SwapIOError(OffloadError, OSError):
     """A read or write of a swap file failed, was short, or its path is unusable.
     ``errno`` is set where the system gave one; the message names the region and path."""
+
+
+class CheckpointWriteError(OffloadError, OSError):
+    """A checkpoint save failed to write (a full disk: ``errno`` ENOSPC). The message names the tag's
+    path; the partial tag is removed and ``latest`` still names the previous save."""
 
 
 class ChecksumError(SwapIOError):

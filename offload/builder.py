@@ -59,6 +59,20 @@ def add_config_arguments(parser):
     return parser
 
 
+def _warn_overridden(config: EngineConfig) -> None:
+    """Warn once about settings the daemon overrides: it places the state in its own pool and swap."""
+    socket = resolve_daemon_socket(config.offload)
+    if not socket:
+        return
+    for dotted, target in (("zero_optimization.offload_optimizer", config.zero.offload_optimizer),
+                           ("zero_optimization.offload_param", config.zero.offload_param)):
+        if target.device == OffloadDevice.NVME and target.nvme_path:
+            logger.warning("%s.nvme_path %s is not used: the daemon at %s holds this state, in its pool and its "
+                           "own swap paths", dotted, target.nvme_path, socket)
+    if config.offload.swap_capacity_bytes is not None:
+        logger.warning("offload.swap_capacity_bytes is not used: the daemon at %s sizes its own swap", socket)
+
+
 def _note_inert_settings(config: EngineConfig) -> None:
     """Say once which accepted settings do not change what this engine does, and why."""
     zero, inert = config.zero, []
@@ -212,6 +226,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if zero.stage != 3 and zero.offload_param.device != OffloadDevice.NONE:
         raise ConfigError("zero_optimization.offload_param needs zero_optimization.stage 3")
     _note_inert_settings(cfg)
+    _warn_overridden(cfg)
 
     dtype = _compute_dtype(cfg)
     stage3 = zero.stage == 3
@@ -252,6 +267,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     t0 = time.perf_counter()
     window = _state_window(cfg, layout) if device_kind == OffloadDevice.NVME else zero.offload_optimizer.buffer_count
     tier, verdict, payload, commit = _open_tier(cfg, layout, ranks, window) if offloaded else (None, FRESH, None, None)
+    logger.info("rank %d: optimizer state in %s", ranks.rank,
+                tier.placement if tier is not None else f"{ranks.device.type} memory (not offloaded)")
     try:
         if tier is not None and tier.daemon and device_kind == OffloadDevice.NVME:
             window = _reattached_window(cfg, layout, tier, window)

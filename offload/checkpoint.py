@@ -3,9 +3,9 @@
 What a checkpoint holds, one DCP entry each:
 - ``module.<key>``: the module's state dict as it is (compute dtype; buffers and frozen params too);
 - ``optim.<param>.<kind>`` for kind in master / exp_avg / exp_avg_sq: the fp32 optimizer state of
-  each trainable parameter as a 1-D tensor of its numel. With partitioned state (stages 1-2 over
-  several ranks) each rank contributes its runs as shards of a ``ShardedTensor``; DCP then
-  loads them onto any other partitioning, a different world size included;
+  each trainable parameter as a 1-D tensor of its numel. Each rank contributes the runs it holds
+  as chunks (``_Entry``; with partitioned state, stages 1-2 over several ranks, the runs differ by
+  rank); DCP then loads them onto any other partitioning, a different world size included;
 - ``engine``: counters, loss scale, LR scheduler, hyperparameters, the layout's names and shapes
   (pickled, the same on every rank); ``client_state``; ``rng.rank<r>``: each rank's RNG states.
 
@@ -13,7 +13,8 @@ What a checkpoint holds, one DCP entry each:
 placeholder in the state dict (uninitialised memory that is never touched); the planners
 resolve a write item, or commit a read item, by bringing in only the sub-groups it covers
 (``_Resident``, at most a few at a time, written back if changed) and copying that run.
-DCP's file writer is run with one file per item, so it holds one item at a time.
+DCP's file writer is run with one file per rank and one thread, which resolves (and so holds) one
+item at a time: a save writes a data file per rank and the ``.metadata`` file.
 """
 from __future__ import annotations
 
@@ -30,16 +31,18 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from csrc import ConfigError
-from offload.engine import rng_state, set_rng_state
+from offload.checkpoint_tags import METADATA, failed_save, prune, resolve_path, write_latest
+from offload.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # their places in a sub-group's state block
-LATEST = "latest"
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for saves and loads at least this large
 
 
@@ -90,13 +93,39 @@ class _Resident:
         self.storage.drain()
 
 
+class _Entry:
+    """One optimizer entry: a param's fp32 state of one kind, of which this rank holds some runs.
+
+    It is no tensor and holds no memory: it answers DCP's checkpointable protocol (the one DTensor
+    implements) with one chunk per run, so DCP plans the writes and reads of any partitioning, and
+    loads onto any other, with no collective here and no ShardedTensor ([Note: streaming state])."""
+
+    def __init__(self, runs: list[_Run], numel: int) -> None:
+        self.runs = runs
+        self.numel = numel
+
+    def size(self) -> torch.Size:
+        return torch.Size([self.numel])
+
+    def _chunk(self, run: _Run) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size([run.param_offset]), sizes=torch.Size([run.numel]))
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk(run) for run in self.runs]
+
+    def __create_write_items__(self, fqn: str, _: object) -> list[WriteItem]:
+        props = TensorProperties(dtype=torch.float32)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size([run.param_offset])), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=self._chunk(run), properties=props, size=self.size()))
+                for run in self.runs]
+
+
 class _Lazy:
     """The optimizer entries of one engine: their runs, and copies between runs and flat tensors."""
 
     def __init__(self, engine) -> None:
         self.layout = engine.layout
         self.storage = engine.adam.storage
-        self.sharded = engine.adam.gather  # partitioned over several ranks
         self.entries: dict[str, tuple[int, list[_Run], int]] = {}  # key -> (kind, runs, slot index)
         for index, runs in _runs(self.layout).items():
             name = self.layout.slots[index].name
@@ -104,30 +133,11 @@ class _Lazy:
                 self.entries[f"optim.{name}.{KINDS[k]}"] = (k, runs, index)
         self.total_bytes = sum(4 * r.numel for _, runs, _ in self.entries.values() for r in runs)
 
-    def placeholders(self) -> dict[str, Any]:
-        """The optimizer entries of the state dict: plain tensors, or ShardedTensors whose global
-        metadata is computed here from every rank's layout (no collective is needed)."""
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata
-
-        out: dict[str, Any] = {}
-        if not self.sharded:
-            for key, (_, _, index) in self.entries.items():
-                out[key] = torch.empty(self.layout.slots[index].numel)  # never touched: virtual memory only
-            return out
-        rank = self.layout.rank
-        every: dict[int, list[ShardMetadata]] = {}
-        for r in range(self.layout.world_size):
-            for index, runs in _runs(self.layout.for_rank(r)).items():
-                every.setdefault(index, []).extend(
-                    ShardMetadata(shard_offsets=[run.param_offset], shard_sizes=[run.numel], placement=f"rank:{r}/cpu")
-                    for run in runs)
+    def placeholders(self) -> dict[str, "_Entry"]:
+        """The optimizer entries of the state dict: this rank's runs of each, as DCP chunks."""
+        out: dict[str, _Entry] = {}
         for key, (_, runs, index) in self.entries.items():
-            shards = [Shard(torch.empty(r.numel), ShardMetadata(shard_offsets=[r.param_offset], shard_sizes=[r.numel],
-                                                                placement=f"rank:{rank}/cpu")) for r in runs]
-            meta = ShardedTensorMetadata(shards_metadata=every[index], size=torch.Size([self.layout.slots[index].numel]))
-            out[key] = ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+            out[key] = _Entry(runs, self.layout.slots[index].numel)
         return out
 
     def overlaps(self, key: str, start: int, length: int) -> Iterator[tuple[_Run, int, int, int]]:
@@ -178,6 +188,14 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
     def __init__(self, lazy: _Lazy, resident: _Resident, progress) -> None:
         super().__init__()
         self.lazy, self.resident, self.progress = lazy, resident, progress
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        # DCP's set-up replaces every value that is not a tensor, a DTensor or plain data with None:
+        # the optimizer entries (flat keys, nothing to flatten) stay out of it and come back after
+        entries = {k: state_dict.pop(k) for k in list(state_dict) if isinstance(state_dict[k], _Entry)}
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        state_dict.update(entries)
+        self.state_dict.update(entries)
 
     def resolve_tensor(self, read_item):
         if read_item.dest_index.fqn not in self.lazy.entries:
@@ -256,40 +274,34 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
     state[f"rng.rank{engine.global_rank}"] = _bytes(rng_state())
     resident = _Resident(lazy.storage, write=False)
     progress = _progress(lazy.total_bytes, f"saving {path}")
+    created = not os.path.exists(os.path.join(path, METADATA))  # written last, by rank 0: no race with the others
     try:
         with _quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=1),
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1),
                      planner=_SavePlanner(lazy, resident, progress), no_dist=not dist.is_initialized())
+    except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
+        # every rank gets it: DCP gathers the ranks' write errors before it returns
+        raise failed_save(path, err, created=created and engine.global_rank == 0) from err
     finally:
         resident.close()
         if progress is not None:
             progress.stop()
     engine.last_checkpoint = path
     if save_latest and engine.global_rank == 0:
-        with open(os.path.join(save_dir, LATEST), "w") as f:
-            f.write(str(tag))
+        write_latest(save_dir, str(tag))
+    if engine.global_rank == 0:
+        prune(save_dir, engine.config.checkpoint.keep_last, str(tag))
     if dist.is_initialized():
         dist.barrier()
     logger.info("rank %d saved %s", engine.global_rank, path)
     return path
 
 
-def _resolve_path(load_dir: str, tag: str | None) -> str | None:
-    if tag is None:
-        latest = os.path.join(load_dir, LATEST)
-        if not os.path.exists(latest):
-            return None
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load_dir, str(tag))
-    return path if os.path.isdir(path) else None
-
-
 def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_states: bool,
                     load_lr_scheduler_states: bool) -> tuple[str | None, dict]:
     """Load what ``save_checkpoint`` saved, onto this engine's ranks and layout. Returns (path, client_state);
     (None, {}) when there is no checkpoint there."""
-    path = _resolve_path(load_dir, tag)
+    path = resolve_path(load_dir, tag)
     if path is None:
         logger.warning("no checkpoint in %s (tag %s): nothing loaded", load_dir, tag or "from 'latest'")
         return None, {}

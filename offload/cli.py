@@ -10,6 +10,7 @@ import unicodedata
 from typing import Any
 
 from csrc.errors import OffloadError
+from offload.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,6 @@ def _daemon(args: argparse.Namespace) -> int:
     }
     config = load_config(args.config, overrides)
     return run_daemon(config)
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in B, KiB, MiB, GiB or TiB, one decimal above bytes."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def escape(text: str) -> str:
@@ -210,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, help="model init and data seed (0)")
     m.add_argument("--delayed-update", type=int, metavar="WARMUP",
                    help="the one-step delayed parameter update after WARMUP ordinary steps (off)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bar, only the summary")
+    m.add_argument("--no-progress", action="store_true", help="no progress (a bar on a terminal, else a line every 5 s), only the summary")
     m.add_argument("--log-level", type=_log_level, default=logging.WARNING)
     m.set_defaults(fn=_demo)
 

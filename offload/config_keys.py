@@ -53,6 +53,7 @@ TOP = KeyTable(
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
         "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio",
         "offload",        # this project's own section
+        "checkpoint",
         "allgather_size",  # read only with the legacy "zero_optimization": true
     }),
     ignored=frozenset({
@@ -63,7 +64,7 @@ TOP = KeyTable(
         "activation_checkpointing", "sparse_attention", "pipeline", "progressive_layer_drop",
         "curriculum_learning", "data_efficiency", "compression_training", "quantize_training",
         "weight_quantization", "hybrid_engine", "compile", "tensor_parallel", "elasticity",
-        "autotuning", "amp", "torch_autocast", "nebula", "datastates_ckpt", "checkpoint",
+        "autotuning", "amp", "torch_autocast", "nebula", "datastates_ckpt",
         "data_types", "sequence_parallel_size", "use_data_before_expert_parallelism",
         "vocabulary_size", "dataloader_drop_last", "graph_harvesting",
         # gradient communication details
@@ -171,6 +172,11 @@ OFFLOAD = KeyTable(
     auto=frozenset({"overlap_step"}),
 )
 
+CHECKPOINT = KeyTable(
+    acted=_same("keep_last"),  # this project's: DeepSpeed has no retention setting
+    ignored=frozenset({"tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"}),
+)
+
 DEPRECATED: Mapping[str, str] = types.MappingProxyType({
     "aio.thread_count": "aio.intra_op_parallelism",
     "bfloat16": "bf16",
@@ -194,5 +200,6 @@ TABLES: Mapping[str, KeyTable] = types.MappingProxyType({
     "zero_optimization.offload_param": OFFLOAD_PARAM,
     "aio": AIO,
     "offload": OFFLOAD,
+    "checkpoint": CHECKPOINT,
 })
 """Section dotted path ("" for the top level) -> its table; scheduler.params is per type."""

@@ -31,6 +31,7 @@ __all__ = [
     "OffloadParamConfig",
     "ZeroConfig",
     "AioConfig",
+    "CheckpointConfig",
     "OffloadSectionConfig",
     "EngineConfig",
     "SCHEDULER_TYPES",
@@ -389,6 +390,18 @@ class AioConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The "checkpoint" section: DeepSpeed's keys are accepted, ``keep_last`` is this project's."""
+
+    keep_last: int = 0
+    """Tags a save keeps in its directory, the one just saved included (older ones are removed,
+    oldest first); 0 keeps every tag."""
+
+    def __post_init__(self) -> None:
+        _int(self, "keep_last", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
 class OffloadSectionConfig:
     """The "offload" section: this project's own keys, all optional."""
 
@@ -450,6 +463,8 @@ class EngineConfig:
     """ZeRO stage and offload."""
     aio: AioConfig = field(default_factory=AioConfig)
     """NVMe I/O settings."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint retention."""
     offload: OffloadSectionConfig = field(default_factory=OffloadSectionConfig)
     """This project's own section (daemon, job id, memory budgets)."""
     raw: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))

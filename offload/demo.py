@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from csrc.errors import ConfigError
-from offload.cli import format_bytes
+from offload.units import format_bytes
 from offload.models import GPT, CharTokenizer, GPTConfig, TextWindows, load_corpus, split_tokens
 from offload.termplot import plot_lines
 
@@ -80,7 +80,10 @@ class DemoConfig:
     plot_height_rows: int = 5
     """Height of the terminal loss plot in text rows."""
     show_progress: bool = True
-    """Show the progress bar (the summary is printed either way)."""
+    """Show progress (the summary is printed either way): a bar on a terminal, else a plain line
+    every ``progress_interval_seconds`` (a CI log, ``| tee``)."""
+    progress_interval_seconds: float = 5.0
+    """Seconds between the plain progress lines when the output is not a terminal (0: every step)."""
     compute_threads: int = 1
     """torch intra-op threads for forward/backward while the demo runs (0: torch's default).
     One, because on a small shared machine spinning OpenMP threads that lose their
@@ -91,6 +94,8 @@ class DemoConfig:
                      "plot_width_chars", "plot_height_rows"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"DemoConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if not self.progress_interval_seconds >= 0:
+            raise ConfigError(f"DemoConfig.progress_interval_seconds must be >= 0, got {self.progress_interval_seconds!r}")
         if self.compute_threads < 0:
             raise ConfigError(f"DemoConfig.compute_threads must be >= 0, got {self.compute_threads!r}")
         if self.offload_device not in DEVICES:
@@ -190,6 +195,23 @@ def _progress(console: Console, enabled: bool) -> Progress:
         console=console, disable=not enabled)
 
 
+class _PlainProgress:
+    """Progress as a line every few seconds, for output that is not a terminal (a bar there shows
+    nothing until the end)."""
+
+    def __init__(self, console: Console, total: int, interval_seconds: float) -> None:
+        self.console, self.total, self.interval = console, total, interval_seconds
+        self.start = self.last = time.perf_counter()
+
+    def update(self, step: int, loss: str, tokens_per_s: float, io_gb_per_s: float) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.interval and step < self.total:
+            return
+        self.last = now
+        self.console.print(f"step {step}/{self.total}  loss {loss}  {tokens_per_s:,.0f} tok/s  "
+                           f"I/O {io_gb_per_s:.2f} GB/s  {now - self.start:.0f} s", highlight=False, markup=False)
+
+
 def _train(engine, loader, config: DemoConfig, tokens_per_step: int, console: Console,
            show: bool) -> tuple[list[float], float]:
     """The loop; returns the per-step losses and the seconds it took."""
@@ -200,7 +222,9 @@ def _train(engine, loader, config: DemoConfig, tokens_per_step: int, console: Co
     window: deque[tuple[float, int, int]] = deque(maxlen=11)
     start = time.perf_counter()
     window.append((start, 0, _io_bytes(engine.offload_stats())))
-    with _progress(console, show) as progress:
+    plain = _PlainProgress(console, config.steps, config.progress_interval_seconds) \
+        if show and not console.is_terminal else None
+    with _progress(console, show and plain is None) as progress:
         task = progress.add_task("train", total=config.steps, loss="-", tokens_per_s=0.0, io_gb_per_s=0.0)
         for step in range(config.steps):
             step_loss = 0.0
@@ -215,8 +239,11 @@ def _train(engine, loader, config: DemoConfig, tokens_per_step: int, console: Co
             window.append((now, step + 1, _io_bytes(engine.offload_stats())))
             (t0, s0, b0), (t1, s1, b1) = window[0], window[-1]
             dt = max(t1 - t0, 1e-9)
-            progress.update(task, advance=1, loss=f"{step_loss:.3f}", tokens_per_s=(s1 - s0) * tokens_per_step / dt,
-                            io_gb_per_s=(b1 - b0) / dt / 1e9)
+            rates = dict(loss=f"{step_loss:.3f}", tokens_per_s=(s1 - s0) * tokens_per_step / dt,
+                         io_gb_per_s=(b1 - b0) / dt / 1e9)
+            progress.update(task, advance=1, **rates)
+            if plain is not None:
+                plain.update(step + 1, **rates)
     return losses, time.perf_counter() - start
 
 
@@ -276,6 +303,8 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
         losses, seconds = _train(engine, loader, config, tokens_per_step, console, config.show_progress and rank0)
         val_after = _evaluate(engine, val, config.micro_batch, device)
         stats = engine.offload_stats()
+    if config.offload_device == "nvme" and config.swap_dir is None:  # the summary names no removed directory
+        stats = replace(stats, tier=stats.tier.replace(swap_dir, "a temporary directory, removed at the end"))
     result = DemoResult(config=config, num_parameters=model.num_parameters(),
                         vocab_size=tokenizer.vocab_size, corpus_chars=len(text), world_size=engine.world_size,
                         losses=losses, val_loss_before=val_before, val_loss_after=val_after,

@@ -21,6 +21,7 @@ from csrc import ConfigError
 from offload.host_heap import HeapTrimmer
 from offload.precision import LossScaler, clip_coefficient
 from offload.resume import CommitRegion
+from offload.rng import rng_state, set_rng_state
 from offload.tiers import Tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -29,19 +30,6 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "RankInfo"]
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,10 +181,9 @@ class Engine:
             out = self.module(*args, **kwargs)
         except RuntimeError as err:
             if self.stage3 is not None and "storage of size 0" in str(err):
-                raise ConfigError(
-                    "stage 3: a forward read a parameter that is not gathered, most likely one that another "
-                    "module owns; register it with the module that reads it: "
-                    "offload.register_external_parameter(module, param) ([Note: external parameters])") from err
+                from offload.zero.external import unregistered_read_error
+
+                raise unregistered_read_error(self.module, err) from err
             raise
         self.wall_seconds["forward"] += time.perf_counter() - t0
         return out

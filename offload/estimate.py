@@ -39,6 +39,7 @@ from typing import Any, Iterable
 import torch
 
 from csrc import ConfigError
+from offload import estimate_fit as fit
 from offload.zero.overlap import copies_that_fit, overlap_wanted
 from offload.zero.window import window_size
 
@@ -256,7 +257,7 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput) -> list[tu
         return [("fp32 gradient accumulators", "host", grads), ("fp32 master + moments", "host", sum(states))]
     floor = max(2, inp.optimizer_buffer_count)
     blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
-        states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate: optimizer state")
+        states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
     window = sum(sorted(states, reverse=True)[:blocks])
     return [("fp32 gradient accumulators", "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
             ("fp32 master + moments", "nvme", sum(states))]
@@ -335,16 +336,34 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f}"
 
 
-def format_table(est: Estimate, *, title: str = "", detail: EstimateRow | None = None) -> str:
-    """A plain-text table of the rows (GiB), and the parts behind one row if ``detail``."""
-    head = ("stage", "offload_optimizer", "offload_param", "device GiB", "host GiB", "NVMe GiB", "device+host GiB",
-            "ZeRO formula GiB")
-    body = [(str(r.stage), r.optimizer, r.param, _gib(r.device_bytes), _gib(r.host_bytes), _gib(r.nvme_bytes),
-             _gib(r.process_bytes), _gib(r.zero_formula_bytes)) for r in est.rows]
+def format_table(est: Estimate, *, title: str = "", detail: EstimateRow | None = None, gpu_column: bool = True,
+                 verdicts: dict[int, str] | None = None, marked: EstimateRow | None = None) -> str:
+    """A plain-text table of the rows (GiB), and the parts behind one row if ``detail``. Without
+    ``gpu_column`` the device is the CPU: one "host GiB" column of device + host bytes. ``verdicts``:
+    a "fits" column (row index -> text); ``marked``: the configured row, flagged."""
+    if gpu_column:
+        head = ["stage", "offload_optimizer", "offload_param", "device GiB", "host GiB", "NVMe GiB", "device+host GiB",
+                "ZeRO formula GiB"]
+        body = [[str(r.stage), r.optimizer, r.param, _gib(r.device_bytes), _gib(r.host_bytes), _gib(r.nvme_bytes),
+                 _gib(r.process_bytes), _gib(r.zero_formula_bytes)] for r in est.rows]
+    else:
+        head = ["stage", "offload_optimizer", "offload_param", "host GiB", "NVMe GiB", "ZeRO formula GiB"]
+        body = [[str(r.stage), r.optimizer, r.param, _gib(r.process_bytes), _gib(r.nvme_bytes),
+                 _gib(r.zero_formula_bytes)] for r in est.rows]
+    numeric = len(head)
+    if verdicts is not None:
+        head.append("fits")
+        for i, row in enumerate(body):
+            row.append(verdicts[i])
+    if marked is not None:
+        head.append("")
+        for r, row in zip(est.rows, body):
+            row.append("<- the config" if r is marked else "")
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
     lines = [title] if title else []
     for k, row in enumerate([head, *body]):
-        lines.append("  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        cells = [cell.rjust(w) if 3 <= i < numeric else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     if detail is not None:
@@ -403,11 +422,8 @@ def run_cli(args: Any) -> int:
     config: Any = args.config or {"train_batch_size": args.world_size, "zero_optimization": {"stage": 3}}
     from offload.config import read_config
 
-    if args.config:
-        cfg = read_config(config, world_size=args.world_size)
-        threshold = cfg.zero.stage3_param_persistence_threshold
-    else:
-        threshold = 100_000
+    cfg = read_config(config, world_size=args.world_size) if args.config else None
+    threshold = cfg.zero.stage3_param_persistence_threshold if cfg is not None else 100_000
     if sum(x is not None for x in (args.params, args.gpt, args.model)) != 1:
         raise ConfigError("give one of --params, --gpt or --model")
     if args.params is not None:
@@ -417,9 +433,9 @@ def run_cli(args: Any) -> int:
         shapes = _gpt_spec(args.gpt, seq=args.seq, batch=args.batch, persistence_threshold=threshold)
     else:
         shapes = _model_spec(args.model, persistence_threshold=threshold)
+    gpu = args.gpu if args.gpu is not None else (args.gpu_gib is not None or torch.cuda.is_available())
     inp = EstimateInput.from_config(config, shapes, world_size=args.world_size,
-                                    baseline_bytes=0 if args.no_baseline else process_baseline_bytes(),
-                                    gpu=torch.cuda.is_available() if args.gpu is None else args.gpu)
+                                    baseline_bytes=0 if args.no_baseline else process_baseline_bytes(), gpu=gpu)
     if args.dtype:
         inp = dataclasses.replace(inp, compute_bytes=4 if args.dtype == "fp32" else 2)
     est = estimate(inp, stages=args.stage or (0, 1, 2, 3))
@@ -430,9 +446,17 @@ def run_cli(args: Any) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(r) | {"process_bytes": r.process_bytes} for r in est.rows], indent=1))
         return 0
+    machine = fit.machine_here(host_gib=args.host_gib, gpu_gib=args.gpu_gib, nvme_gib=args.nvme_gib,
+                               nvme_path=fit.nvme_path(cfg), gpu=gpu, ranks=args.world_size)
+    configured = None
+    if cfg is not None and cfg.zero.stage in {r.stage for r in est.rows}:
+        configured = est.row(stage=cfg.zero.stage, optimizer=cfg.zero.offload_optimizer.device.value,
+                             param=cfg.zero.offload_param.device.value)
     title = (f"{shapes.params:,} parameters, {args.world_size} rank(s), {inp.compute_bytes}-byte compute dtype; "
-             f"per rank")
-    print(format_table(est, title=title, detail=detail))
+             f"per rank\nagainst: {machine.describe()}")
+    verdicts = {i: fit.verdict(r, machine).text() for i, r in enumerate(est.rows)}
+    print(format_table(est, title=title, detail=detail, gpu_column=gpu, verdicts=verdicts, marked=configured))
+    print("\n".join(fit.answer(est.rows, configured, machine, args.world_size)))
     return 0
 
 
@@ -454,3 +478,9 @@ def add_arguments(parser: Any) -> None:
                         help="the model computes on a GPU (host staging of offloaded updates, offload.overlap_step "
                              "auto on); default: whether this machine has one")
     parser.add_argument("--json", action="store_true", help="the rows as JSON")
+    parser.add_argument("--host-gib", type=float, help="check the rows against this much host memory "
+                        "(default: what this machine has available now)")
+    parser.add_argument("--gpu-gib", type=float, help="check against a GPU of this much memory (default: this "
+                        "machine's GPU; none: the model computes on the CPU)")
+    parser.add_argument("--nvme-gib", type=float, help="check against this much NVMe space (default: the free space "
+                        "under the config's nvme_path, else the temporary directory)")

@@ -57,6 +57,12 @@ class Tier:
     registration: Any = None
     """``offload.gpu.HostRegistration`` of the store's segments (a GPU model), undone before the store closes."""
 
+    @property
+    def placement(self) -> str:
+        """Where the tier keeps its bytes, for the one log line that says so: the daemon's socket and
+        session, or the store and its swap files' directory."""
+        return f"{self.description}, swap files in {self.swap_dir}" if self.swap_dir else self.description
+
     def register_with_cuda(self, api: Any = "torch") -> None:
         """Register the store's host segments with CUDA once (a no-op without CUDA); ``api`` is injectable."""
         from offload.gpu.registration import HostRegistration, cuda_host_api

@@ -13,13 +13,16 @@ it takes effect from the next ``initialize``.
 """
 from __future__ import annotations
 
+import linecache
+import re
 import weakref
 
 import torch
 
 from csrc import ConfigError
 
-__all__ = ["register_external_parameter", "unregister_external_parameter", "external_parameters", "rebind"]
+__all__ = ["register_external_parameter", "unregister_external_parameter", "external_parameters", "rebind",
+           "unregistered_read_error"]
 
 _registry: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]]" = weakref.WeakKeyDictionary()
 
@@ -55,3 +58,56 @@ def rebind(replaced: dict[int, torch.nn.Parameter]) -> None:
     """Params were replaced (id of the old one -> the new one): registrations follow them."""
     for params in _registry.values():
         params[:] = [replaced.get(id(p), p) for p in params]
+
+
+def _released(value: object, params: dict[int, torch.nn.Parameter]) -> bool:
+    return id(value) in params and value.untyped_storage().nbytes() == 0
+
+
+def _read_in_line(reader: torch.nn.Module, frame, params: dict[int, torch.nn.Parameter]):
+    """A released param the reader's line names as ``self.a.b`` (``x @ self.emb.weight.t()``), else None."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    for path in re.findall(r"\bself((?:\.\w+)+)", line):
+        parts = path[1:].split(".")
+        for n in range(len(parts), 0, -1):
+            try:
+                value = reader.get_parameter(".".join(parts[:n]))
+            except AttributeError:
+                continue
+            if _released(value, params):
+                return value
+    return None
+
+
+def unregistered_read_error(model: torch.nn.Module, err: BaseException) -> ConfigError:
+    """The error for a forward that failed on a released parameter, naming the module whose forward
+    read it (the innermost frame of ``err``'s traceback whose ``self`` is one of ``model``'s modules)
+    and the parameter (a frame's local that is a released param of ``model``, else one the reader's
+    line names as ``self.<path>``)."""
+    param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    params = {id(p): p for p in model.parameters()}
+    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    param, reader, reader_frame = None, None, None
+    tb = err.__traceback__
+    while tb is not None:  # outermost frame first: the last match is the innermost
+        frame = tb.tb_frame
+        param = next((v for v in frame.f_locals.values() if _released(v, params)), param)
+        me = frame.f_locals.get("self")
+        if isinstance(me, torch.nn.Module) and id(me) in module_names:
+            reader, reader_frame = me, frame
+        tb = tb.tb_next
+    if param is None and reader is not None:
+        param = _read_in_line(reader, reader_frame, params)
+    fix = "register it with the module that reads it: offload.register_external_parameter(module, param)"
+    if param is None or reader is None:
+        where = f" in the forward of {module_names[id(reader)] or 'the model'!r}" if reader is not None else ""
+        return ConfigError(f"stage 3: a forward read a parameter that is not gathered{where}, most likely one that "
+                           f"another module owns; {fix} ([Note: external parameters])")
+    name = param_names[id(param)]
+    owner = name.rpartition(".")[0] or "the model"
+    reader_name = module_names[id(reader)] or "the model"
+    return ConfigError(
+        f"stage 3: the forward of {reader_name!r} ({type(reader).__name__}) read parameter {name!r}, which "
+        f"module {owner!r} owns, while it was not gathered; register it with the module that reads it: "
+        f"offload.register_external_parameter(model.get_submodule({module_names[id(reader)]!r}), "
+        f"model.get_parameter({name!r})) ([Note: external parameters])")

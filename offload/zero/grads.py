@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from offload.zero.collectives import reduce_scatter_single
 from offload.zero.layout import Bucket, FlatLayout
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class GradReducer:
             out = self._scratch.get(b.index)
             if out is None:
                 out = self._scratch[b.index] = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
-            work = dist.reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+            work = reduce_scatter_single(out, buf, group=self.group, async_op=True)
             self._inflight.append((b, out, work))
 
     def end(self) -> None:

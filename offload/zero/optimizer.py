@@ -20,6 +20,7 @@ from torch.optim.adam import adam as functional_adam  # torch.optim does not exp
 
 from cpu_adam import AdamConfig, adam_step, grad_land, grad_sumsq
 from csrc import ConfigError
+from offload.zero.collectives import all_gather_single
 from offload.zero.grads import Source, shard_source
 from offload.zero.layout import Bucket, FlatLayout, Piece, SubGroup
 from offload.zero.states import StateStorage
@@ -302,7 +303,7 @@ class PartitionedAdam:
         for b in self.layout.buckets:
             full = self.flat_params[b.start:b.start + b.numel]
             mine = full[self.layout.rank * b.shard_numel:(self.layout.rank + 1) * b.shard_numel]
-            works.append(dist.all_gather_into_tensor(full, mine.clone(), group=self.group, async_op=True))
+            works.append(all_gather_single(full, mine.clone(), group=self.group, async_op=True))
         for w in works:
             w.wait()
 

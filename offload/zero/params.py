@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from offload.zero.collectives import all_gather_single
 from offload.zero.layout import FlatLayout
 from offload.zero.shards import ShardStore
 from offload.zero.unit_fetch import UnitFetches
@@ -168,7 +169,7 @@ class ParamCoordinator:
                 if self.world_size == 1:
                     full.copy_(shard)
                 else:
-                    dist.all_gather_into_tensor(full, shard.to(full.device, copy=True), group=self.group)
+                    all_gather_single(full, shard.to(full.device, copy=True), group=self.group)
         finally:
             self.shards.release(u, dirty=False)
 

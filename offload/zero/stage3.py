@@ -135,6 +135,21 @@ def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, chec
     return tier
 
 
+def _log_partition(plan, rank: int, threshold: int) -> None:
+    """One line: how many params are partitioned and how many stay whole under the persistence
+    threshold; a warning when that is all of them (stage 3 then partitions nothing)."""
+    whole = sum(len(plan.buckets[u]) for u in plan.persistent)
+    partitioned = sum(len(b) for b in plan.buckets) - whole
+    units = len(plan.buckets) - len(plan.persistent)
+    line = ("rank %d: stage 3: %d param(s) partitioned in %d unit(s), %d kept whole (fewer than "
+            "stage3_param_persistence_threshold %d elements)")
+    if partitioned == 0:
+        logger.warning(line + "; nothing is partitioned: lower the threshold to partition this model",
+                       rank, partitioned, units, whole, threshold)
+    else:
+        logger.info(line, rank, partitioned, units, whole, threshold)
+
+
 def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], names: dict[int, str], *,
                  zero, aio, checksum: bool, dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, sub_group_numel: int,
@@ -147,10 +162,12 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
                          for gi, g in enumerate(groups) for i, p in enumerate(g)],
                         world_size=world_size, rank=rank, bucket_numel=zero.reduce_bucket_size,
                         sub_group_numel=sub_group_numel, bucket_plan=plan.buckets)
-    logger.info("rank %d: stage 3, %d unit(s) (%d persistent); %s", rank, len(layout.buckets), len(plan.persistent),
-                layout.describe())
+    _log_partition(plan, rank, zero.stage3_param_persistence_threshold)
+    logger.debug("rank %d: stage 3 layout: %s", rank, layout.describe())
     itemsize = torch.empty(0, dtype=dtype).element_size()
     tier = _param_tier(zero, layout, itemsize, rank=rank, aio=aio, checksum=checksum, offload=offload)
+    logger.info("rank %d: stage 3 param shards in %s", rank,
+                tier.placement if tier is not None else f"{device.type} memory (not offloaded)")
     try:
         shards = ShardStore(layout, dtype=dtype, device=device, tier=tier.store if tier else None,
                             nvme=zero.offload_param.device == OffloadDevice.NVME,

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from offload.zero.collectives import reduce_scatter_single
 from offload.zero.layout import Bucket, FlatLayout
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class UnitGradReducer:
         while len(self._inflight) >= self.max_in_flight:
             self._finish(self._inflight.pop(0))
         out = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
-        work = dist.reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+        work = reduce_scatter_single(out, buf, group=self.group, async_op=True)
         self._inflight.append((b, out, buf, work))
 
     def _finish(self, entry) -> None:

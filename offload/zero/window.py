@@ -164,7 +164,7 @@ def available_bytes() -> int | None:
 
 
 def window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, host_memory_bytes: int | None,
-                what: str) -> int:
+                what: str, log: bool = True) -> int:
     """How many of ``block_bytes`` (page-rounded sizes of the items) the window holds.
 
     The budget is ``host_memory_bytes`` (the offload section's) less ``fixed_bytes`` (what
@@ -173,7 +173,7 @@ def window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, hos
     blocks as fit in it, never fewer than ``floor`` (DeepSpeed's ``buffer_count``) nor more
     than there are blocks: a window that holds every block still writes each back after its
     step and prefetches it while backward runs, but never waits for one evict to make room
-    for the next prefetch. Logged once per call."""
+    for the next prefetch. Logged once per call (``log``: the estimate, which asks per row, does not)."""
     count = len(block_bytes)
     if count == 0:
         return floor
@@ -182,7 +182,8 @@ def window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, hos
     else:
         free = available_bytes()
         if free is None:
-            logger.info("%s window: %d (buffer_count; the free memory could not be read)", what, floor)
+            if log:
+                logger.info("%s window: %d (buffer_count; the free memory could not be read)", what, floor)
             return floor
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         budget, source = free // FREE_SHARE // ranks - fixed_bytes, f"1/{FREE_SHARE} of the available memory"
@@ -195,6 +196,7 @@ def window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, hos
         used += b
         fit += 1
     size = max(floor, fit)
-    logger.info("%s window: %d of %d blocks in host memory (buffer_count %d; budget %.2f GB from %s)",
-                what, min(size, count), count, floor, max(0, budget) / 1e9, source)
+    if log:
+        logger.info("%s window: %d of %d blocks in host memory (buffer_count %d; budget %.2f GB from %s)",
+                    what, min(size, count), count, floor, max(0, budget) / 1e9, source)
     return size

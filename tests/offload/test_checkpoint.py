@@ -1,9 +1,12 @@
 """Checkpoints: resume in a new process is bitwise the uninterrupted run (offload cpu and nvme, the
 RNG included); 2 ranks save, 1 rank loads and continues as 2 ranks would; consolidate gives a plain
-fp32 state dict that the model loads and that equals the trained weights."""
+fp32 state dict that the model loads and that equals the trained weights; a save is one data file
+per rank, with no warning; checkpoint.keep_last keeps that many tags; a full disk fails clearly."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -15,6 +18,8 @@ from tests import child_pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "offload", "ckpt_worker.py")
+FULL_DISK_WORKER = os.path.join(ROOT, "tests", "offload", "full_disk_worker.py")
+NO_WARNINGS = "error::FutureWarning,error::DeprecationWarning"  # a warning ends the process
 
 
 def _run(args, *, ranks=1, env=None, timeout=240):
@@ -26,6 +31,7 @@ def _run(args, *, ranks=1, env=None, timeout=240):
                "--standalone", WORKER, *args]
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
 
 
 def _result(workdir, mode, rank=0):
@@ -69,7 +75,11 @@ def test_two_ranks_save_and_one_rank_continues(tmp_path):
 def test_consolidate_writes_a_state_dict_the_model_loads(tmp_path):
     """`offload consolidate CKPT OUT.pt` from a 2-rank stage-2 checkpoint: model.load_state_dict
     accepts it (strict), and its weights are the trained fp32 weights of the run that saved it."""
-    _run(["run", "cpu", str(tmp_path), "0", "10"], ranks=2, env={"SAVE": "1", "DROPOUT": "0"})
+    proc = _run(["run", "cpu", str(tmp_path), "0", "10"], ranks=2,
+                env={"SAVE": "1", "DROPOUT": "0", "PYTHONWARNINGS": NO_WARNINGS})
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+    tag = tmp_path / "ckpt" / "global_step10"  # one data file per rank, and DCP's metadata
+    assert sorted(os.listdir(tag)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     out = tmp_path / "consolidated.pt"
     proc = subprocess.run([sys.executable, "-m", "offload.cli", "consolidate", str(tmp_path / "ckpt" / "global_step10"),
                            str(out)], env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT)), capture_output=True, text=True, timeout=120)
@@ -81,3 +91,44 @@ def test_consolidate_writes_a_state_dict_the_model_loads(tmp_path):
     for p, q in zip(net.parameters(), trained):
         assert p.dtype == torch.float32
         assert torch.equal(p.detach(), q)
+
+
+def test_keep_last_keeps_that_many_tags(tmp_path):
+    """checkpoint.keep_last 2 over four saves: the two newest tags stay (global_step10 after
+    global_step9: saves are ordered by time, not name), 'latest' names the newest, and it loads."""
+    from offload.builder import initialize
+
+    cfg = dict(ckpt_worker.config("cpu", str(tmp_path), 2), checkpoint={"keep_last": 2})
+    engine, _, _, _ = initialize(model=ckpt_worker.model(), config=cfg)
+    x, y = ckpt_worker.batches(1)[0]
+    try:
+        for tag in ("global_step8", "global_step9", "global_step10", "global_step11"):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            engine.save_checkpoint(str(tmp_path), tag=tag)
+        assert sorted(os.listdir(tmp_path)) == ["global_step10", "global_step11", "latest"]
+        assert (tmp_path / "latest").read_text() == "global_step11"
+        path, _ = engine.load_checkpoint(str(tmp_path))
+        assert path == str(tmp_path / "global_step11") and engine.global_steps == 4
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private tmpfs")
+def test_a_full_disk_names_the_path_and_enospc_and_keeps_the_last_save(tmp_path):
+    """A second save onto a tmpfs with room for one (mounted in a private mount namespace over
+    tmp_path): CheckpointWriteError with errno ENOSPC naming the tag's path; the partial tag is
+    gone and 'latest' still names the first save."""
+    script = 'mount -t tmpfs -o size=140k tmpfs "$1" || exit 77; exec "$2" "$3" "$1"'
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", str(tmp_path), sys.executable, FULL_DISK_WORKER],
+                          env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=240)
+    if proc.returncode == 77 or "unshare failed" in proc.stderr:
+        pytest.skip(f"no private tmpfs here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["raised"] == "CheckpointWriteError" and out["offload_error"], out
+    assert out["errno"] == 28 and "ENOSPC" in out["message"], out
+    assert f"{tmp_path}/second" in out["message"], out
+    assert out["entries"] == ["first", "latest"] and out["latest"] == "first", out

@@ -2,6 +2,8 @@
 as with the embedded store, its state in the daemon's memory and swap, and all of it freed at close."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,10 @@ from tests.daemon.conftest import STORE, start_daemon
 from tests.offload import ckpt_worker
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
+
+
+def _logged(caplog, text):
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
 
 
 def _train(config, steps=12):
@@ -25,7 +31,10 @@ def _train(config, steps=12):
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_training_through_the_daemon_matches_the_embedded_store(tmp_path, device, monkeypatch):
+def test_training_through_the_daemon_matches_the_embedded_store(tmp_path, device, monkeypatch, caplog):
+    """Also: each run says once where its state lives (the daemon's socket and session; the swap
+    files' directory), and with the daemon a config's nvme_path is named as not used."""
+    caplog.set_level("INFO", logger="offload.builder")
     daemon = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
                           sessions={"default_quota_bytes": 8 << 20})
     try:
@@ -35,6 +44,13 @@ def test_training_through_the_daemon_matches_the_embedded_store(tmp_path, device
         engine, net, losses = _train(config)
         stats = engine.offload_stats()
         assert stats.tier.startswith("daemon ")
+        assert _logged(caplog, "optimizer state in") == [f"rank 0: optimizer state in daemon {daemon.socket_path} "
+                                                         "(job 'test-job', rank 0)"]
+        unused = _logged(caplog, "nvme_path")
+        assert unused == ([f"zero_optimization.offload_optimizer.nvme_path {tmp_path} is not used: the daemon at "
+                           f"{daemon.socket_path} holds this state, in its pool and its own swap paths"]
+                          if device == "nvme" else [])
+        caplog.clear()
         status = daemon.status()
         assert [s["job_id"] for s in status["sessions"]] == ["test-job"]
         if device == "nvme":
@@ -46,6 +62,11 @@ def test_training_through_the_daemon_matches_the_embedded_store(tmp_path, device
         config.pop("offload")
         embedded, ref_net, ref_losses = _train(config)
         assert not embedded.offload_stats().tier.startswith("daemon")
+        where = _logged(caplog, "optimizer state in")
+        assert len(where) == 1 and not _logged(caplog, "nvme_path"), where
+        if device == "nvme":  # the swap files' own directory, which exists while the engine is open
+            swap_dir = where[0].rpartition("swap files in ")[2]
+            assert os.path.dirname(swap_dir) == str(tmp_path) and os.path.isdir(swap_dir), where
         embedded.close()
         assert losses == ref_losses
         for p, q in zip(net.parameters(), ref_net.parameters()):

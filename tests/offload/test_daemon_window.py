@@ -82,7 +82,8 @@ def test_a_rank_window_grows_with_the_daemon_pool_and_stays_at_buffer_count_with
             engine, _, losses = _train(config, steps=4)
         window, groups = engine.adam.storage.window, len(engine.layout.sub_groups)
         assert groups > floor and window == groups  # 32 MiB of pool for one rank holds every block
-        lines = [r.getMessage() for r in caplog.records if "window" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records
+                 if r.name == "offload.daemon_window" and "window" in r.getMessage()]
         assert len(lines) == 1 and f"{groups} of {groups} blocks" in lines[0] and "buffer_count 4" in lines[0]
         plan = plan_bytes([sg.numel for sg in engine.layout.sub_groups], window=window, nvme=True, nvme_path=None)
         want = packed_quota_bytes(plan.resident_bytes + COMMIT_BYTES, max(plan.region_bytes), 4 << 20)

@@ -90,8 +90,7 @@ def test_cli_table_json_and_bad_input(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].startswith("2,000,000,000 parameters")
-    rows = [line.split() for line in lines if line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
-    assert len(rows) == 18 and all(len(r) == 8 for r in rows)  # stages 0-2 x 3 optimizer places, stage 3 x 9
+    assert len(_table(out)[1]) == 18  # stages 0-2 x 3 optimizer places, stage 3 x 9
     assert "fp32 master + moments" in out
     assert main(["estimate", "--gpt", "n_layer=2,n_embd=64,vocab_size=100", "--seq", "8", "--json", "--stage", "3"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -139,3 +138,76 @@ def test_from_config_reads_the_overlap_and_delayed_keys():
            "offload": {"overlap_step": False, "delayed_update": True}}
     inp = EstimateInput.from_config(cfg, shapes, gpu=True)
     assert (inp.gpu, inp.overlap_step, inp.delayed_update) == (True, False, True)
+
+
+def _table(out: str) -> tuple[list[str], list[list[str]]]:
+    """The header's column names and the rows' cells (the verdict and the mark as one cell each)."""
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    starts = [i for i, ch in enumerate(lines[at + 1]) if ch == "-" and (i == 0 or lines[at + 1][i - 1] == " ")]
+    def cells(line):
+        return [line[a:b].strip() for a, b in zip(starts, starts[1:] + [len(line) + 1])]
+    end = lines.index("", at)
+    rows = [cells(line) for line in lines[at + 2:end]]
+    return cells(lines[at]), rows
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_every_row_has_a_verdict_against_the_given_memories(capsys, gpu):
+    """--host-gib 20 --nvme-gib 10 (and --gpu-gib 24): a row fits when each of its printed figures
+    is within its memory (without a GPU device and host share host memory: no device column)."""
+    extra = ["--gpu-gib", "24"] if gpu else ["--no-gpu"]
+    assert main(["estimate", "--params", "1B", "--no-baseline", "--host-gib", "20", "--nvme-gib", "10", *extra]) == 0
+    out = capsys.readouterr().out
+    head, rows = _table(out)
+    assert ("device GiB" in head) == gpu and len(rows) == 18
+    col = {name: i for i, name in enumerate(head)}
+    fits = 0
+    for row in rows:
+        need = {"host": float(row[col["host GiB"]]), "NVMe": float(row[col["NVMe GiB"]])}
+        if gpu:
+            need["GPU"] = float(row[col["device GiB"]])
+        have = {"host": 20, "NVMe": 10, "GPU": 24}
+        short = [what for what in need if need[what] > have[what] + 0.005]
+        verdict = row[col["fits"]]
+        assert (verdict == "yes") == (not short), row
+        assert all(f"{what} +" in verdict for what in short), row
+        fits += not short
+    assert 0 < fits < len(rows)  # the limits chosen so that the verdicts differ, NVMe's too
+    assert any("NVMe +" in row[col["fits"]] for row in rows)
+    assert f"{fits} of 18 rows fit" in out
+
+
+def test_the_config_row_is_marked_and_the_smallest_change_that_fits_is_named(capsys, tmp_path):
+    """Stage 2 with the optimizer in host memory, 2 ranks, does not fit 24 GiB: its row alone is marked, and
+    the change named is a fitting row no row with fewer changed settings beats; the daemon's quota
+    and pool follow for it."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 2, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    assert main(["estimate", "--params", "1B", "--no-baseline", "--no-gpu", "--host-gib", "24", "--nvme-gib", "100",
+                 "--config", str(config), "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    head, rows = _table(out)
+    marked = [r for r in rows if r[-1] == "<- the config"]
+    assert [r[:3] for r in marked] == [["2", "cpu", "none"]] and marked[0][-2].startswith("no: host +")
+    assert "the config (stage 2, offload_optimizer cpu, offload_param none) does not fit" in out
+    line = next(x for x in out.splitlines() if x.startswith("the smallest change that fits: "))
+    chosen = line.rpartition("(")[2].rstrip(")").replace(",", "").split()  # stage S offload_optimizer O offload_param P
+    key = [chosen[1], chosen[3], chosen[5]]
+    by_key = {tuple(r[:3]): r for r in rows}
+    assert by_key[tuple(key)][-2] == "yes"
+    changed = sum(a != b for a, b in zip(key, ["2", "cpu", "none"]))
+    assert all(r[-2] != "yes" for r in rows if sum(a != b for a, b in zip(r[:3], ["2", "cpu", "none"])) < changed)
+    daemon = next(x for x in out.splitlines() if x.startswith("through a node daemon"))
+    quota = int(daemon.split("sessions.default_quota_bytes >= ")[1].split()[0])
+    pool = int(daemon.split("pool.capacity_bytes >= ")[1].split()[0])
+    sessions = int(daemon.split("; ")[1].split()[0])
+    assert quota > 0 and 2 * quota <= pool <= 2 * sessions * quota and "for 2 rank(s)" in daemon
+
+
+def test_no_repeated_log_lines(caplog):
+    caplog.set_level("INFO")
+    assert main(["estimate", "--params", "7B", "--no-baseline", "--no-gpu"]) == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == len(set(messages)), messages

@@ -43,11 +43,19 @@ def test_trimmer_trims_at_the_first_step_then_only_past_the_slack(monkeypatch):
     assert t.trims == len(trimmed) == 2
 
 
+def _floors(rss: list[int], window: int = 10) -> list[int]:
+    """The lowest resident memory of each run of ``window`` steps: what the heap keeps, without a
+    step's own transient peaks (which depend on how the machine schedules the step's threads)."""
+    return [min(rss[i:i + window]) for i in range(0, len(rss), window)]
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_resident_memory_stays_bounded_over_sixty_steps():
-    """A ~28M-parameter GPT, stage 1, optimizer in host memory: resident memory after every step
-    stays within the trimmer's 64 MiB slack (plus 48 MiB for a step's own noise) of the lowest.
-    Without the trim the same run grows under glibc's dynamic mmap threshold (tools/bench/
-    bench_host_heap.py: +126 MiB over steps 10-60 and +303 MiB over steps 10-120; with it +57 / +68)."""
+    """A ~28M-parameter GPT, stage 1, optimizer in host memory: the floor of resident memory (the
+    lowest of every 10 steps) stays within the trimmer's slack of the first 10 steps' floor, the
+    baseline measured in this same run. Peaks are not compared: they move with the machine's load.
+    Without the trim the floor climbs under glibc's dynamic mmap threshold (+155 MiB by steps 50-60
+    measured here; tools/bench/bench_host_heap.py: +126 MiB highest RSS over steps 10-60)."""
     rss = _rss_per_step(60, release=True)
-    assert max(rss) - min(rss) < 112 * MIB, [r // MIB for r in rss]
+    floors = _floors(rss)
+    assert max(floors) - floors[0] <= HeapTrimmer().slack_bytes, [r // MIB for r in rss]

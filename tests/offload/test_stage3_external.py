@@ -115,3 +115,55 @@ def test_register_and_unregister_errors():
         register_external_parameter(net, torch.zeros(3))
     with pytest.raises(ConfigError, match="torch.nn.Module"):
         register_external_parameter("net", net.emb.weight)
+
+
+class StockAttention(torch.nn.Module):
+    """torch's MultiheadAttention reads its out_proj's weight in its own forward, unregistered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.attn = torch.nn.MultiheadAttention(DIM, 4, batch_first=True)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        h = self.attn(h, h, h, need_weights=False)[0]
+        return F.cross_entropy((h @ self.emb.weight.t()).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("net, reader, param, owner", [
+    (StockAttention, "'attn' (MultiheadAttention)", "'attn.out_proj.weight'", "'attn.out_proj'"),
+    (lambda: TiedLM(register=False), "'the model' (TiedLM)", "'emb.weight'", "'emb'"),
+])
+def test_unregistered_read_names_the_parameter_and_the_reader(tmp_path, net, reader, param, owner):
+    torch.manual_seed(3)
+    engine, _, _, _ = initialize(model=net(), config=_config("cpu", str(tmp_path)))
+    try:
+        ids = _data(1)[0]
+        with pytest.raises(ConfigError) as raised:
+            engine(ids[:, :-1], ids[:, 1:])
+        text = str(raised.value)
+        assert f"the forward of {reader} read parameter {param}, which module {owner} owns" in text, text
+    finally:
+        engine.close()
+
+
+def test_stage3_logs_partitioned_and_whole_counts(tmp_path, caplog):
+    """One line per build with the params partitioned and kept whole (counted here from their sizes);
+    a warning when the default threshold (100000 elements) leaves a small model whole."""
+    caplog.set_level("INFO", logger="offload.zero.stage3")
+    for threshold in (100, None):
+        caplog.clear()
+        config = _config("cpu", str(tmp_path))
+        if threshold is None:
+            del config["zero_optimization"]["stage3_param_persistence_threshold"]
+        net = TiedLM()
+        sizes = {n: p.numel() for n, p in net.named_parameters()}
+        big = [n for n, size in sizes.items() if size >= (threshold or 100_000)]
+        units = len({n.rpartition(".")[0] for n in big})
+        expected = f"{len(big)} param(s) partitioned in {units} unit(s), {len(sizes) - len(big)} kept whole"
+        engine, _, _, _ = initialize(model=net, config=config)
+        engine.close()
+        lines = [r for r in caplog.records if "stage 3:" in r.getMessage()]
+        assert len(lines) == 1 and expected in lines[0].getMessage(), [r.getMessage() for r in lines]
+        assert (lines[0].levelname == "WARNING") == (not big)
