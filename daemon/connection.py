@@ -70,11 +70,12 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
-        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         self.peer_pid, self.uid = pid, uid
         server = self.server
-        if uid not in server.allowed_uids:
-            server.admission.log.warning("peer", "refused a connection from uid %d (pid %d): not allowed", uid, pid)
+        if not server.allows(uid, gid, sock):
+            server.admission.log.warning("peer", "refused a connection from uid %d (pid %d): not in [server] allowed_uids nor "
+                                        "the socket's group", uid, pid)
             server.metrics.error("PeerRefused")
             transport.close()
             return

@@ -39,8 +39,11 @@ def get(port: int, path: str, timeout: float = 10) -> tuple[int, str]:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is absent")
 def test_the_systemd_unit_verifies(tmp_path):
     unit = (REPO / "tools/systemd/offload-daemon.service").read_text()
-    for key in ("LimitMEMLOCK=infinity", "LimitNOFILE=", "RuntimeDirectory=offload", "KillSignal=SIGTERM"):
-        assert key in unit
+    lines = set(unit.splitlines())
+    for key in ("LimitMEMLOCK=infinity", "RuntimeDirectory=offload", "KillSignal=SIGTERM", "Type=notify",
+                "User=offload", "Group=offload"):
+        assert key in lines, key
+    assert not any(line.startswith("PrivateTmp=") for line in lines)  # it would hide a socket under /tmp
     offload = Path(sys.executable).parent / "offload"  # the unit names /opt/offload's; verify it with ours
     if not offload.exists():
         pytest.skip(f"{offload} is not installed (pip install -e .)")
@@ -50,7 +53,9 @@ def test_the_systemd_unit_verifies(tmp_path):
     assert out.returncode == 0 and "offload-daemon.service" not in out.stderr, out.stderr
     # The node.toml beside it is a valid config.
     from daemon.config import load_config
-    assert load_config(REPO / "tools/systemd/node.toml").server.socket_path == "/run/offload/daemon.sock"
+    server = load_config(REPO / "tools/systemd/node.toml").server
+    assert server.socket_path == "/run/offload/daemon.sock"  # in the unit's RuntimeDirectory
+    assert (server.socket_group, server.socket_mode) == ("offload", 0o660)
 
 
 def test_version_and_case_insensitive_log_levels(tmp_path):
