@@ -34,7 +34,8 @@ import time
 from typing import Any
 
 from csrc.errors import ConfigError
-from daemon.admission import ACCEPT_BACKLOG, CONNECTION_FD_RESERVE, Admission, open_fd_count, raise_fd_limit
+from daemon.admission import ACCEPT_BACKLOG, CONNECTION_FD_RESERVE, Admission, RateLimitedLog, open_fd_count, \
+    raise_fd_limit
 from daemon.backend import StoreBackend, SwapBackend
 from daemon.config import DaemonConfig
 from daemon.connection import Connection
@@ -126,6 +127,8 @@ class DaemonServer:
         self.scheduler = FairScheduler(config.scheduler,
                                        on_depth=lambda cls, n: self.metrics.queue_depth.labels(cls.value).set(n))
         self.admission = Admission(config.server, on_refused=self.metrics.error)
+        self.refusals = RateLimitedLog(logging.getLogger("daemon.connection"))
+        """Refused requests, logged per session and kind (see [Note: refusals logged] in daemon.connection)."""
         self.sessions: SessionTable | None = None
         self.handlers: Handlers | None = None
         self.handler_table: dict[int, Any] = {}
