@@ -163,15 +163,9 @@ class DaemonServer:
             return
         m.set_pool(table.used_bytes, table.capacity_bytes)
         m.set_sessions(*table.counts())
-        labels = (str(session.owner_uid), session.job_id, str(session.rank))
         if event == "attach":
-            m.session_host_bytes.labels(*labels).set(session.quota_bytes)
             m.jobs.attached(session.owner_uid, session.job_id, session.session_id)
         elif event == "reclaim":
-            try:
-                m.session_host_bytes.remove(*labels)
-            except KeyError:
-                pass
             m.jobs.reclaimed(session.owner_uid, session.job_id, session.session_id, session.detached_at)
 
     # -- start ------------------------------------------------------------------------
@@ -235,7 +229,7 @@ class DaemonServer:
         self.handler_table = {int(k): fn for k, fn in self.handlers.table().items()}
         self.metrics.set_pool(0, self.sessions.capacity_bytes)
         self.metrics.set_sessions(0, 0)
-        self.metrics.watch(self.handlers, self.backend)
+        self.metrics.watch(self.handlers, self.backend, self.sessions)
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # no window in which the socket is wider than asked
         try:

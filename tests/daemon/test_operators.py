@@ -172,3 +172,14 @@ def test_alert_rules_are_valid_and_use_exported_metrics():
     out = subprocess.run(["promtool", "check", "rules", str(REPO / "tools/prometheus/offload-alerts.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_status_imports_neither_torch_nor_the_daemons_server(shared_daemon):
+    """`offload status` answers in a fraction of a second: torch's import alone takes 2-5 s on a loaded node."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "offload.cli", "status", "--socket",
+                          shared_daemon.socket_path], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
+    assert out.returncode == 0 and "engine" in out.stdout, out.stderr[-2000:]
+    imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy") or m in ("daemon.server", "daemon.metrics"))
+    assert heavy == [], heavy
