@@ -36,7 +36,7 @@ from typing import Any
 from csrc.errors import ConfigError
 from daemon.admission import ACCEPT_BACKLOG, CONNECTION_FD_RESERVE, Admission, RateLimitedLog, open_fd_count, \
     raise_fd_limit
-from daemon.backend import StoreBackend, SwapBackend
+from daemon.backend import StoreBackend, open_swap_backend
 from daemon.config import DaemonConfig
 from daemon.connection import Connection
 from daemon.handlers import Handlers
@@ -220,7 +220,7 @@ class DaemonServer:
             self.metrics_address = f"{host}:{self.metrics_port}"
         if self.backend is None:
             logger.info("faulting the pool (%d bytes) and preparing the swap space", config.pool.capacity_bytes)
-            self.backend = await self._run_admin(SwapBackend, config.pool, config.swap, config.io, config.store)
+            self.backend = await open_swap_backend(config.pool, config.swap, config.io, config.store, self._run_admin)
         self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler,
                                      self._session_changed, self._run_admin)
         self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics, config.sessions,

@@ -77,7 +77,11 @@ def test_notify_reaches_an_abstract_socket_and_is_a_no_op_without_systemd(monkey
 def _start_refused(tmp_path, monkeypatch, **server: object) -> tuple[str, list]:
     """Start a DaemonServer whose backend constructor only records that it was called; the start's error."""
     built: list = []
-    monkeypatch.setattr(server_module, "SwapBackend", lambda *a: built.append(a) or pytest.fail("pool faulted"))
+    async def fault(*args):
+        built.append(args)
+        pytest.fail("pool faulted")
+
+    monkeypatch.setattr(server_module, "open_swap_backend", fault)
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
