@@ -6,14 +6,15 @@ verbs of ``swap.TierStore``. Layout: ``protocol`` (messages and byte layouts), `
 (memfd segments and SCM_RIGHTS), ``sessions`` (ownership, tokens, grace), ``scheduler``
 (fair NVMe queue), ``metrics`` (Prometheus, /healthz, the bounded HTTP server),
 ``handlers``, ``connection`` (framing, request fairness) and ``server`` (asyncio, life
-cycle), ``admission`` (connection caps, fd limit), ``client`` and ``tokens``
-(TierClient and its reattach tokens), ``config`` (TOML), ``backend`` (the swap objects the
-daemon serves), ``pool`` (the node pool, made once and recycled), ``files`` (swap files
-under a lock, swept after a crash).
+cycle), ``admission`` (connection caps, fd limit), ``notify`` (systemd's READY=1),
+``control`` (the blocking control connection and ``daemon_status``), ``client`` and
+``tokens`` (TierClient and its reattach tokens), ``config`` (TOML), ``backend`` (the swap
+objects the daemon serves), ``pool`` (the node pool, made once and recycled), ``files``
+(swap files under a lock, swept after a crash, through aiofiles).
 """
 # Names load on first use: `offload status` needs only the client and the protocol, not the server's
 # metrics and swap layer (a third of a second of imports on a loaded node).
-_LAZY = {"TierClient": "daemon.client", "TierClientConfig": "daemon.client", "daemon_status": "daemon.client",
+_LAZY = {"TierClient": "daemon.client", "TierClientConfig": "daemon.client", "daemon_status": "daemon.control",
          "DaemonConfig": "daemon.config", "ServerConfig": "daemon.config", "PoolConfig": "daemon.config",
          "SessionConfig": "daemon.config", "SchedulerConfig": "daemon.config", "MetricsConfig": "daemon.config",
          "load_config": "daemon.config", "DaemonMetrics": "daemon.metrics", "DaemonServer": "daemon.server",

@@ -135,7 +135,7 @@ def format_jobs(sessions: list[dict[str, Any]]) -> list[str]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from daemon.client import daemon_status
+    from daemon.control import daemon_status
 
     socket_path = args.socket
     if socket_path is None:
@@ -184,6 +184,14 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _VersionAction(argparse.Action):
+    """--version, looked up only when asked: the package metadata scan costs `offload status` a tenth of a second."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"offload {_version()}")
+        parser.exit()
+
+
 def _log_level(text: str) -> int:
     level = logging.getLevelName(text.upper())
     if not isinstance(level, int):
@@ -193,7 +201,7 @@ def _log_level(text: str) -> int:
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description="Memory-tiered offload engine.")
-    parser.add_argument("--version", action="version", version=f"offload {_version()}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this build runs: ISA paths, threads").set_defaults(fn=_info)
 

@@ -181,5 +181,6 @@ def test_status_imports_neither_torch_nor_the_daemons_server(shared_daemon):
                          env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
     assert out.returncode == 0 and "engine" in out.stdout, out.stderr[-2000:]
     imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy") or m in ("daemon.server", "daemon.metrics"))
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy", "swap", "aiofiles")
+                   or m in ("daemon.server", "daemon.metrics", "daemon.backend", "importlib.metadata"))
     assert heavy == [], heavy
