@@ -12,6 +12,7 @@ win over the file.
 [server]
 socket_path = "/run/offload/daemon.sock"
 socket_mode = 0o660
+socket_group = "offload"          # its members may connect ("": the daemon's group, no one by group)
 max_connections_per_uid = 256     # and hello_timeout_seconds, idle_timeout_seconds, fd_limit, ...
 
 [pool]
