@@ -16,7 +16,6 @@ import pytest
 import csrc.errors
 from daemon.client import TierClient, TierClientConfig
 from daemon.protocol import HEADER, PROTOCOL_VERSION, Flag, Kind, encode_frame
-from tests import child_pythonpath
 from tests.daemon.conftest import STORE
 
 TierFullError = getattr(csrc.errors, "TierFullError", None)
