@@ -6,29 +6,26 @@ verbs of ``swap.TierStore``. Layout: ``protocol`` (messages and byte layouts), `
 (memfd segments and SCM_RIGHTS), ``sessions`` (ownership, tokens, grace), ``scheduler``
 (fair NVMe queue), ``metrics`` (Prometheus, /healthz, the bounded HTTP server),
 ``handlers``, ``connection`` (framing, request fairness) and ``server`` (asyncio, life
-cycle), ``admission`` (connection caps, fd limit), ``client`` and ``tokens``
-(TierClient and its reattach tokens), ``config`` (TOML), ``backend`` (the swap objects the
-daemon serves), ``pool`` (the node pool, made once and recycled), ``files`` (swap files
-under a lock, swept after a crash).
+cycle), ``admission`` (connection caps, fd limit), ``notify`` (systemd's READY=1),
+``control`` (the blocking control connection and ``daemon_status``), ``client`` and
+``tokens`` (TierClient and its reattach tokens), ``config`` (TOML), ``backend`` (the swap
+objects the daemon serves), ``pool`` (the node pool, made once and recycled), ``files``
+(swap files under a lock, swept after a crash, through aiofiles).
 """
-from daemon.client import TierClient, TierClientConfig, daemon_status
-from daemon.config import (DaemonConfig, MetricsConfig, PoolConfig, SchedulerConfig, ServerConfig, SessionConfig,
-                           load_config)
-from daemon.metrics import DaemonMetrics
-from daemon.server import DaemonServer, run_daemon
+# Names load on first use: `offload status` needs only the client and the protocol, not the server's
+# metrics and swap layer (a third of a second of imports on a loaded node).
+_LAZY = {"TierClient": "daemon.client", "TierClientConfig": "daemon.client", "daemon_status": "daemon.control",
+         "DaemonConfig": "daemon.config", "ServerConfig": "daemon.config", "PoolConfig": "daemon.config",
+         "SessionConfig": "daemon.config", "SchedulerConfig": "daemon.config", "MetricsConfig": "daemon.config",
+         "load_config": "daemon.config", "DaemonMetrics": "daemon.metrics", "DaemonServer": "daemon.server",
+         "run_daemon": "daemon.server"}
 
-__all__ = [
-    "TierClient",
-    "TierClientConfig",
-    "daemon_status",
-    "DaemonConfig",
-    "ServerConfig",
-    "PoolConfig",
-    "SessionConfig",
-    "SchedulerConfig",
-    "MetricsConfig",
-    "load_config",
-    "DaemonMetrics",
-    "DaemonServer",
-    "run_daemon",
-]
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'daemon' has no attribute {name!r}")

@@ -54,8 +54,15 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._held: collections.Counter[str] = collections.Counter()
 
+    MAX_KEYS = 4096
+    """Keys remembered at once; past it, those quiet for a whole window are forgotten (their next line logs)."""
+
     def warning(self, key: str, msg: str, *args: Any) -> None:
         now = time.monotonic()
+        if len(self._last) > self.MAX_KEYS:
+            for old in [k for k, t in self._last.items() if now - t >= LOG_EVERY_SECONDS]:
+                del self._last[old]
+                self._held.pop(old, None)
         if now - self._last.get(key, -LOG_EVERY_SECONDS) < LOG_EVERY_SECONDS:
             self._held[key] += 1
             return

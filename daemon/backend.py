@@ -27,7 +27,7 @@ from daemon.pool import NodePool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SessionStore", "StoreBackend", "SwapBackend", "region_to_wire", "region_from_wire",
+__all__ = ["open_swap_backend", "SessionStore", "StoreBackend", "SwapBackend", "region_to_wire", "region_from_wire",
            "stats_to_wire", "stats_from_wire"]
 
 try:  # the swap layer (issue 3); the daemon cannot serve without it
@@ -88,28 +88,50 @@ class _PoolRegisteredEngine:
         return getattr(self._engine, name)
 
 
+def _checked(swap: Mapping[str, Any], io: Mapping[str, Any], store: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The [swap] table with its paths as strings, and the store's config; their errors before anything is made."""
+    if not _HAVE_SWAP:
+        raise ConfigError("the swap package (TierStore) is not installed in this build; the daemon cannot serve")
+    swap = dict(swap)
+    if not swap.get("paths"):
+        raise ConfigError("[swap] paths must name at least one directory")
+    swap["paths"] = [str(p) for p in swap["paths"]]
+    try:
+        store_config = _swap.TierStoreConfig(**dict(store))
+        _swap.SwapSpaceConfig(**swap)
+        _swap.IoEngineConfig(**dict(io))
+    except TypeError as exc:  # a missing or unknown key
+        raise ConfigError(f"[swap], [io] or [store]: {exc}") from None
+    return swap, store_config
+
+
+async def open_swap_backend(pool: PoolConfig, swap: Mapping[str, Any], io: Mapping[str, Any],
+                            store: Mapping[str, Any], run_in_thread: Callable[..., Any]) -> "SwapBackend":
+    """The daemon's backend: the config checked, the swap paths swept and claimed on the event loop
+    (``SwapClaim.open``, through aiofiles), then the engine, the preallocated swap files and the faulted
+    pool built by ``run_in_thread`` (the slow part, off the loop)."""
+    checked, _ = _checked(swap, io, store)
+    claim = await SwapClaim.open(checked["paths"])
+    try:
+        return await run_in_thread(SwapBackend, pool, checked, io, store, claim)
+    except BaseException:
+        claim.close()  # idempotent: the backend may have closed it already
+        raise
+
+
 class SwapBackend:
     """The real thing: swap's HostPool/SwapSpace/engine/TierStore built from the daemon config."""
 
     def __init__(self, pool: PoolConfig, swap: Mapping[str, Any], io: Mapping[str, Any],
-                 store: Mapping[str, Any]) -> None:
-        if not _HAVE_SWAP:
-            raise ConfigError("the swap package (TierStore) is not installed in this build; the daemon cannot serve")
-        swap = dict(swap)
-        if not swap.get("paths"):
-            raise ConfigError("[swap] paths must name at least one directory")
-        swap["paths"] = [str(p) for p in swap["paths"]]
+                 store: Mapping[str, Any], claim: SwapClaim) -> None:
+        """Built in a worker thread (it preallocates the swap files and faults the pool); ``claim`` is the
+        swap paths' claim, made on the loop by ``open_swap_backend``, and this backend closes it."""
+        self._claim = claim  # [Note: swap file ownership]
+        swap, self._store_config = _checked(swap, io, store)
         self._pool_config = pool
-        try:  # their errors first, before anything is made
-            self._store_config = _swap.TierStoreConfig(**dict(store))
-            _swap.SwapSpaceConfig(**swap)
-            _swap.IoEngineConfig(**dict(io))
-        except TypeError as exc:  # a missing or unknown key
-            raise ConfigError(f"[swap], [io] or [store]: {exc}") from None
         self._engine = self._space = self._pool = None
         self._slots: dict[int, int | None] = {}  # pool segment index -> its registered-buffer slot
         self._table_full = False
-        self._claim = SwapClaim(swap["paths"])  # [Note: swap file ownership]
         try:
             swap["paths"] = list(self._claim.dirs)
             io = dict(io)

@@ -12,6 +12,7 @@ win over the file.
 [server]
 socket_path = "/run/offload/daemon.sock"
 socket_mode = 0o660
+socket_group = "offload"          # its members may connect ("": the daemon's group, no one by group)
 max_connections_per_uid = 256     # and hello_timeout_seconds, idle_timeout_seconds, fd_limit, ...
 
 [pool]
@@ -101,6 +102,11 @@ class ServerConfig:
     """File mode of the socket: owner and group may connect."""
     allowed_uids: tuple[int, ...] = ()
     """Peer uids allowed besides the daemon's own uid and root (checked with SO_PEERCRED)."""
+    socket_group: str = ""
+    """Group of the socket file, a name or a number ("": the daemon's own group, and no peer is allowed
+    for its group). When it is named and socket_mode lets the group read and write, a peer in this group
+    (primary or supplementary: SO_PEERCRED, SO_PEERGROUPS) is allowed too: training users join it, as
+    with the docker group."""
     max_message_bytes: int = 65536
     """Largest message body accepted; a larger length prefix closes the connection."""
     drain_timeout_seconds: float = 60.0
@@ -141,6 +147,8 @@ class ServerConfig:
         if len(self.socket_path.encode()) > 107:
             raise ConfigError(f"ServerConfig.socket_path is longer than a Unix socket path may be (107 bytes): "
                               f"{self.socket_path!r}")
+        if not isinstance(self.socket_group, str):
+            object.__setattr__(self, "socket_group", str(self.socket_group))
         object.__setattr__(self, "allowed_uids", tuple(int(u) for u in self.allowed_uids))
         if any(not 0 <= u < 1 << 32 for u in self.allowed_uids):
             raise ConfigError(f"ServerConfig.allowed_uids must be uids, got {self.allowed_uids!r}")

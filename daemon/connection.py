@@ -45,6 +45,7 @@ _SYNC = frozenset(int(k) for k in SYNC_KINDS)
 _PEER = frozenset(int(k) for k in PEER_KINDS)
 _SESSIONLESS = frozenset(int(k) for k in Kind if not needs_session(k))
 _HANDLED = (OffloadError, KeyError, ValueError, TypeError, TimeoutError, OSError, MemoryError)
+_KIND_NUMBERS = frozenset(int(k) for k in Kind)
 _now = time.monotonic
 
 
@@ -70,11 +71,12 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
-        pid, uid, _ = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         self.peer_pid, self.uid = pid, uid
         server = self.server
-        if uid not in server.allowed_uids:
-            server.admission.log.warning("peer", "refused a connection from uid %d (pid %d): not allowed", uid, pid)
+        if not server.allows(uid, gid, sock):
+            server.admission.log.warning("peer", "refused a connection from uid %d (pid %d): not in [server] allowed_uids nor "
+                                        "the socket's group", uid, pid)
             server.metrics.error("PeerRefused")
             transport.close()
             return
@@ -132,8 +134,7 @@ class Connection(asyncio.Protocol):
         try:
             frames = self.decoder.feed(data)
         except ProtocolError as exc:  # framing lost: answer once, then close
-            self.reply_error(self.decoder.oversized_request_id or 0, 0, exc)
-            self.server.metrics.error("ProtocolError")
+            self.reply_error(self.decoder.oversized_request_id or 0, 0, exc)  # counted as a ProtocolError there
             self.transport.close()  # type: ignore[union-attr]
             return
         if self._backlog:
@@ -187,10 +188,23 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_frame(frame.kind, frame.request_id, body, _REPLY))
 
-    def reply_error(self, request_id: int, kind: int, exc: BaseException) -> None:
+    def reply_error(self, request_id: int, kind: int, exc: BaseException, subject: str = "") -> None:
         self.server.metrics.error(type(exc).__name__)
+        self._log_refusal(kind, exc, subject)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_frame(kind, request_id, error_body(exc), Flag.REPLY | Flag.ERROR))
+
+    def _log_refusal(self, kind: int, exc: BaseException, subject: str) -> None:
+        """[Note: refusals logged] A warning per session (or uid, before a session) and request kind at most
+        every LOG_EVERY_SECONDS, naming the session and the error, whose message names the key and value;
+        the ones held back are counted in the next line."""
+        s = self.session
+        if s is not None:
+            who, key = f"job {s.job_id!r} rank {s.rank} (session {s.session_id}, uid {self.uid})", s.session_id
+        else:
+            who, key = f"{subject or 'a connection'} of uid {self.uid} (pid {self.peer_pid})", f"uid{self.uid}"
+        name = Kind(kind).name if kind in _KIND_NUMBERS else f"request kind {kind}"
+        self.server.refusals.warning(f"{key}:{kind}", "refused %s of %s: %s: %s", name, who, type(exc).__name__, exc)
 
     # -- dispatch ---------------------------------------------------------------------
     def handle(self, frame: Frame) -> None:
@@ -257,7 +271,7 @@ class Connection(asyncio.Protocol):
                 body["job_id"], body["rank"], body["quota_bytes"], self.uid, body.get("token", ""))
         except (OffloadError, ValueError, OSError) as exc:
             self.hello_pending = False
-            self.reply_error(frame.request_id, frame.kind, exc)
+            self.reply_error(frame.request_id, frame.kind, exc, f"job {body.get('job_id')!r} rank {body.get('rank')}")
             if isinstance(exc, ProtocolError):
                 self.transport.close()  # type: ignore[union-attr]
             return

@@ -10,6 +10,10 @@ in the path) whose process is gone. Claims and sweeps of one path are serialised
 short ``flock`` on ``<path>/.ofl-daemon.lock``, so two daemons starting at once neither
 take the same slot nor sweep each other. ``close`` removes this daemon's directories
 (after the swap space has unlinked its files) and its lock files.
+
+The claim and the sweep run on the daemon's event loop at start (``await SwapClaim.open(paths)``), each
+file operation through ``aiofiles.os`` (a thread per call), so a sweep of a large tree left by a killed
+daemon, or a wait for another daemon's guard lock, never stops the loop.
 """
 from __future__ import annotations
 
@@ -19,6 +23,10 @@ import logging
 import os
 import re
 import shutil
+import stat
+
+import aiofiles.os
+import aiofiles.ospath
 
 from csrc.errors import SwapIOError
 
@@ -40,75 +48,118 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_flock = aiofiles.os.wrap(fcntl.flock)  # the guard may wait for another daemon's claim
+_open = aiofiles.os.wrap(os.open)
+
+
+async def _remove_tree(path: str) -> int:
+    """Remove ``path`` and everything under it, skipping what cannot be removed; returns the bytes freed."""
+    freed = 0
+    try:
+        names = await aiofiles.os.listdir(path)
+    except OSError:
+        return 0
+    for name in names:
+        full = os.path.join(path, name)
+        try:
+            st = await aiofiles.os.stat(full, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                freed += await _remove_tree(full)
+                continue
+            await aiofiles.os.unlink(full)
+            freed += st.st_blocks * 512
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", full, exc.strerror)
+    try:
+        await aiofiles.os.rmdir(path)
+    except OSError as exc:
+        logger.warning("could not remove %s: %s", path, exc.strerror)
+    return freed
+
+
+async def _lock_is_free(path: str) -> bool | None:
+    """Whether no live daemon holds the lock file ``path`` (None: it is gone)."""
+    try:
+        fd = await _open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # never blocks
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 class SwapClaim:
     """This daemon's directory in each swap path; see [Note: swap file ownership]."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self) -> None:
         self.dirs: list[str] = []
         self._locks: list[tuple[int, str]] = []
+
+    @classmethod
+    async def open(cls, paths: list[str]) -> "SwapClaim":
+        """Sweep each path and claim a slot in it; on failure nothing claimed is kept."""
+        claim = cls()
         try:
             for path in paths:
-                self._claim(os.path.abspath(path))
+                await claim._claim(os.path.abspath(path))
         except BaseException:
-            self.close()
+            claim.close()
             raise
+        return claim
 
-    def _claim(self, path: str) -> None:
-        if not os.path.isdir(path):
+    async def _claim(self, path: str) -> None:
+        if not await aiofiles.ospath.isdir(path):
             raise SwapIOError(errno.ENOENT, f"swap path {path} does not exist or is not a directory")
         try:
-            guard = os.open(os.path.join(path, ".ofl-daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            guard = await _open(os.path.join(path, ".ofl-daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise SwapIOError(exc.errno, f"swap path {path} is not writable: {exc.strerror}") from exc
         try:
-            fcntl.flock(guard, fcntl.LOCK_EX)
-            taken = self._sweep(path)
+            await _flock(guard, fcntl.LOCK_EX)
+            taken = await self._sweep(path)
             slot = next(n for n in range(len(taken) + 1) if n not in taken)
             lock_path = os.path.join(path, f"ofl-daemon-{slot}.lock")
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = await _open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: the sweep just saw it so, under the guard
             self._locks.append((fd, lock_path))
             directory = os.path.join(path, f"ofl-daemon-{slot}")
-            os.mkdir(directory, 0o700)
+            await aiofiles.os.mkdir(directory, 0o700)
             self.dirs.append(directory)
         finally:
             os.close(guard)  # releases the guard
         logger.info("swap path %s: this daemon's files go in %s", path, directory)
 
     @staticmethod
-    def _sweep(path: str) -> set[int]:
+    async def _sweep(path: str) -> set[int]:
         """Remove what dead daemons left in ``path``; returns the slots live daemons hold."""
         taken: set[int] = set()
-        for name in os.listdir(path):
+        for name in await aiofiles.os.listdir(path):
             full = os.path.join(path, name)
             lock = _LOCK.match(name)
             if lock:
-                try:
-                    fd = os.open(full, os.O_RDWR | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                free = await _lock_is_free(full)
+                if free is False:
                     taken.add(int(lock.group(1)))  # a live daemon holds it
+                if not free:
                     continue
-                finally:
-                    os.close(fd)
                 stale = full[: -len(".lock")]
-                if os.path.isdir(stale):
-                    freed = sum(e.stat().st_blocks * 512 for e in os.scandir(stale) if e.is_file())
-                    shutil.rmtree(stale, ignore_errors=True)
+                if await aiofiles.ospath.isdir(stale):
+                    freed = await _remove_tree(stale)
                     logger.warning("swept %s, left by a daemon that is gone (%d bytes)", stale, freed)
-                os.unlink(full)
+                await aiofiles.os.unlink(full)
             else:
                 old = _OLD_SWAP.match(name)
                 if old and not _pid_alive(int(old.group(1))):
-                    os.unlink(full)
+                    await aiofiles.os.unlink(full)
                     logger.warning("swept %s, left by process %s that is gone", full, old.group(1))
-        for name in os.listdir(path):  # a directory whose lock file is gone: left by a crash mid-claim
+        for name in await aiofiles.os.listdir(path):  # a directory whose lock file is gone: left by a crash mid-claim
             m = re.match(r"ofl-daemon-(\d+)$", name)
-            if m and int(m.group(1)) not in taken and os.path.isdir(os.path.join(path, name)):
-                shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            if m and int(m.group(1)) not in taken and await aiofiles.ospath.isdir(os.path.join(path, name)):
+                await _remove_tree(os.path.join(path, name))
         return taken
 
     def close(self) -> None:

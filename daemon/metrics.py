@@ -19,7 +19,8 @@ offload_swap_space_bytes                          gauge      state (used|capacit
 offload_sessions                                  gauge      state (attached|detached)
 offload_errors_total                              counter    kind (error class name)
 offload_optimizer_step_seconds                    histogram  (none): reported by clients
-offload_session_host_bytes                        gauge      uid, job, rank: the session's quota
+offload_session_host_bytes                        gauge      uid, job, rank: bytes its regions hold in the pool
+offload_session_quota_bytes                       gauge      uid, job, rank: the session's quota (reserved)
 offload_job_* (step, steps, seconds, bytes...)    various    uid, job, rank: reported by engines per step
                                                              (``daemon.jobs``: at most [metrics] max_jobs jobs)
 offload_build_info                                gauge      version, python, protocol (always 1)
@@ -98,6 +99,24 @@ class _LiveCollector:
     def __init__(self) -> None:
         self.handlers: Any = None
         self.backend: Any = None
+        self.sessions: Any = None
+
+    def _per_session(self):
+        labels = ["uid", "job", "rank"]
+        held = GaugeMetricFamily("offload_session_host_bytes", "Host memory a session's regions hold now "
+                                 "(what offload status shows; at most its quota).", labels=labels)
+        quota = GaugeMetricFamily("offload_session_quota_bytes", "Host memory reserved for a session (its quota).",
+                                  labels=labels)
+        for session in self.sessions or ():
+            values = [str(session.owner_uid), session.job_id, str(session.rank)]
+            try:
+                used = session.store.stats().host_pool_used_bytes
+            except Exception as exc:  # reclaimed under the scrape
+                logger.debug("session %s not readable for metrics: %s", session.session_id, exc)
+                continue
+            held.add_metric(values, used)
+            quota.add_metric(values, session.quota_bytes)
+        return held, quota
 
     def collect(self):
         swap = GaugeMetricFamily("offload_swap_space_bytes", "Bytes of the swap files: extents used, and capacity.",
@@ -114,6 +133,7 @@ class _LiveCollector:
             inflight.add_metric([], self.handlers.inflight_bytes)
         yield swap
         yield inflight
+        yield from self._per_session()
 
 
 class DaemonMetrics:
@@ -147,9 +167,6 @@ class DaemonMetrics:
             "offload_optimizer_step_seconds", "Optimizer step times reported by clients.",
             buckets=STEP_BUCKETS_SECONDS, registry=r,
         )
-        self.session_host_bytes = Gauge(
-            "offload_session_host_bytes", "Host memory held by a session.", ["uid", "job", "rank"], registry=r
-        )
         build = Gauge("offload_build_info", "The daemon's build (always 1).", ["version", "python", "protocol"],
                       registry=r)
         from daemon.protocol import PROTOCOL_VERSION
@@ -169,9 +186,10 @@ class DaemonMetrics:
         self._heartbeat = time.monotonic()
         self.stopping = False
 
-    def watch(self, handlers: Any, backend: Any) -> None:
-        """Read in-flight bytes from ``handlers`` and swap use from ``backend`` at every scrape."""
-        self._live.handlers, self._live.backend = handlers, backend
+    def watch(self, handlers: Any, backend: Any, sessions: Any = None) -> None:
+        """Read in-flight bytes from ``handlers``, swap use from ``backend`` and each of ``sessions``' bytes held
+        at every scrape."""
+        self._live.handlers, self._live.backend, self._live.sessions = handlers, backend, sessions
 
     def heartbeat(self) -> None:
         """The event loop ran just now (called from the loop every second)."""

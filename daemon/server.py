@@ -2,16 +2,18 @@
 
 ``DaemonServer(config, backend)`` owns everything; ``await server.start()`` makes the
 socket's directory if it is missing (mode 0755; an existing one must not be writable by
-others without the sticky bit), replaces a stale socket file (a live daemon on the same
-path is an error), raises the fd limit, builds the backend (swap space, node pool),
-binds the socket (mode from the config) and starts the metrics endpoint. A start that
+others without the sticky bit; this daemon must be able to write it), replaces a stale
+socket file (a live daemon on the same path is an error), raises the fd limit, starts the
+metrics endpoint (a busy port is an error at once), then builds the backend (swap space,
+node pool: the slow part) and binds the socket (mode and group from the config). A start that
 fails at any step closes everything it had opened. ``await server.stop()`` stops
 accepting, drains queued and running I/O (bounded by ``drain_timeout_seconds``),
 closes every session's store and the backend (bounded by ``close_timeout_seconds``),
 and removes the socket *if it is still the one this daemon bound* (a daemon that
 replaced this one keeps its socket). ``run_daemon(config)`` is the foreground process:
-it serves until SIGTERM or SIGINT, then stops as above; a second signal, or work that
-outlives the bounds, ends the process at once.
+it tells systemd ``READY=1`` once the socket serves (``daemon.notify``; nothing without
+``NOTIFY_SOCKET``), serves until SIGTERM or SIGINT, then stops as above; a second signal, or
+work that outlives the bounds, ends the process at once.
 
 Connections are ``daemon.connection.Connection``; how many are kept, and for how long,
 is ``daemon.admission``.
@@ -20,21 +22,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
+import grp
 import logging
 import os
 import signal
 import socket
 import stat
+import struct
 import time
 from typing import Any
 
 from csrc.errors import ConfigError
-from daemon.admission import ACCEPT_BACKLOG, CONNECTION_FD_RESERVE, Admission, open_fd_count, raise_fd_limit
-from daemon.backend import StoreBackend, SwapBackend
+from daemon.admission import ACCEPT_BACKLOG, CONNECTION_FD_RESERVE, Admission, RateLimitedLog, open_fd_count, \
+    raise_fd_limit
+from daemon.backend import StoreBackend, open_swap_backend
 from daemon.config import DaemonConfig
 from daemon.connection import Connection
 from daemon.handlers import Handlers
 from daemon.metrics import DaemonMetrics
+from daemon.notify import notify
 from daemon.protocol import Kind
 from daemon.scheduler import FairScheduler
 from daemon.sessions import Session, SessionTable
@@ -64,7 +71,41 @@ def _prepare_socket_dir(directory: str) -> bool:
     if st.st_uid not in (0, os.getuid()):
         raise ConfigError(f"[server] socket_path: directory {directory} belongs to uid {st.st_uid}, "
                           "neither this daemon's user nor root")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"[server] socket_path: this daemon (uid {os.getuid()}) cannot create its socket in "
+                          f"{directory}")
     return False
+
+
+def _socket_gid(group: str) -> int:
+    """The gid ``[server] socket_group`` names ("" is the daemon's own group)."""
+    if not group:
+        return os.getegid()
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"[server] socket_group = {group!r}: no such group (groupadd {group})") from None
+
+
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python names it only on some builds
+
+
+def peer_groups(sock: socket.socket, gid: int) -> set[int]:
+    """The peer's primary gid ``gid`` and its supplementary groups (SO_PEERGROUPS; only ``gid`` where refused)."""
+    groups = {gid}
+    size = 4 * 64
+    while size <= 4 * 65536:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno != errno.ERANGE:
+                return groups
+            size *= 4
+            continue
+        return groups | set(struct.unpack(f"{len(raw) // 4}I", raw))
+    return groups
 
 
 class DaemonServer:
@@ -76,6 +117,8 @@ class DaemonServer:
         self.metrics = metrics or DaemonMetrics()
         self.backend: StoreBackend | None = backend
         self.allowed_uids = frozenset({os.getuid(), 0, *config.server.allowed_uids})
+        self.socket_gid: int | None = None
+        """Peers in this group are allowed too (None: not by group); see ServerConfig.socket_group."""
         # [Note: what runs on the loop]: transfers, session open/close and STATUS each have threads of their own.
         self.io_executor = concurrent.futures.ThreadPoolExecutor(
             config.scheduler.max_inflight_jobs + 1, thread_name_prefix="ofl-io")
@@ -84,6 +127,8 @@ class DaemonServer:
         self.scheduler = FairScheduler(config.scheduler,
                                        on_depth=lambda cls, n: self.metrics.queue_depth.labels(cls.value).set(n))
         self.admission = Admission(config.server, on_refused=self.metrics.error)
+        self.refusals = RateLimitedLog(logging.getLogger("daemon.connection"))
+        """Refused requests, logged per session and kind (see [Note: refusals logged] in daemon.connection)."""
         self.sessions: SessionTable | None = None
         self.handlers: Handlers | None = None
         self.handler_table: dict[int, Any] = {}
@@ -92,6 +137,7 @@ class DaemonServer:
         self.metrics.jobs.max_jobs = config.metrics.max_jobs
         self.metrics.jobs.grace_seconds = config.sessions.reattach_grace_seconds
         self.metrics_port: int | None = None
+        self.metrics_address = ""
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this daemon bound
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -100,6 +146,12 @@ class DaemonServer:
     @property
     def socket_path(self) -> str:
         return self.config.server.socket_path
+
+    def allows(self, uid: int, gid: int, sock: socket.socket) -> bool:
+        """Whether a peer of ``uid`` (primary group ``gid``) on ``sock`` may use the daemon."""
+        if uid in self.allowed_uids:
+            return True
+        return self.socket_gid is not None and self.socket_gid in peer_groups(sock, gid)
 
     def _run_admin(self, fn: Any, *args: Any) -> Any:
         return asyncio.get_running_loop().run_in_executor(self.admin_executor, fn, *args)
@@ -111,15 +163,9 @@ class DaemonServer:
             return
         m.set_pool(table.used_bytes, table.capacity_bytes)
         m.set_sessions(*table.counts())
-        labels = (str(session.owner_uid), session.job_id, str(session.rank))
         if event == "attach":
-            m.session_host_bytes.labels(*labels).set(session.quota_bytes)
             m.jobs.attached(session.owner_uid, session.job_id, session.session_id)
         elif event == "reclaim":
-            try:
-                m.session_host_bytes.remove(*labels)
-            except KeyError:
-                pass
             m.jobs.reclaimed(session.owner_uid, session.job_id, session.session_id, session.detached_at)
 
     # -- start ------------------------------------------------------------------------
@@ -160,20 +206,30 @@ class DaemonServer:
 
     async def _start(self) -> None:
         config = self.config
+        # [Note: cheap checks first] What can fail in a moment (the socket's directory, a live daemon on
+        # the socket, the metrics port) is checked before the pool is faulted and the swap preallocated,
+        # which take tens of seconds on a real node: an operator hears of a busy port at once.
         directory = os.path.dirname(os.path.abspath(self.socket_path))
         self._made_dir = directory if _prepare_socket_dir(directory) else None
         self._clear_stale_socket()
+        gid = _socket_gid(config.server.socket_group)
         fd_limit = raise_fd_limit(config.server.fd_limit)
+        if config.metrics.address:
+            host = config.metrics.host_port[0]
+            self.metrics_port = self.metrics.serve(host, config.metrics.host_port[1], config.metrics)
+            self.metrics_address = f"{host}:{self.metrics_port}"
         if self.backend is None:
-            self.backend = await self._run_admin(SwapBackend, config.pool, config.swap, config.io, config.store)
+            logger.info("faulting the pool (%d bytes) and preparing the swap space", config.pool.capacity_bytes)
+            self.backend = await open_swap_backend(config.pool, config.swap, config.io, config.store, self._run_admin)
         self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler,
                                      self._session_changed, self._run_admin)
         self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics, config.sessions,
                                  self.io_executor, self.status_executor)
+        self.handlers.metrics_address = self.metrics_address
         self.handler_table = {int(k): fn for k, fn in self.handlers.table().items()}
         self.metrics.set_pool(0, self.sessions.capacity_bytes)
         self.metrics.set_sessions(0, 0)
-        self.metrics.watch(self.handlers, self.backend)
+        self.metrics.watch(self.handlers, self.backend, self.sessions)
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # no window in which the socket is wider than asked
         try:
@@ -183,12 +239,13 @@ class DaemonServer:
             os.umask(old_umask)
         st = os.stat(self.socket_path)
         self._socket_id = (st.st_dev, st.st_ino)
+        if gid != os.getegid():
+            os.chown(self.socket_path, -1, gid)
         os.chmod(self.socket_path, config.server.socket_mode)
+        if config.server.socket_group and config.server.socket_mode & 0o060 == 0o060:  # named, and may connect
+            self.socket_gid = gid
         reserve = CONNECTION_FD_RESERVE + ACCEPT_BACKLOG  # asyncio accepts up to a backlog's worth at once
         if config.metrics.address:
-            host = config.metrics.host_port[0]
-            self.metrics_port = self.metrics.serve(host, config.metrics.host_port[1], config.metrics)
-            self.handlers.metrics_address = f"{host}:{self.metrics_port}"
             reserve += config.metrics.max_connections
         self.admission.fit_to_fds(fd_limit, open_fd_count(), reserve)
         self._tick()
@@ -289,8 +346,10 @@ async def _serve_until_signal(server: DaemonServer) -> bool:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     await server.start()
+    notify(READY=1, STATUS=f"serving on {server.socket_path}")  # systemd's Type=notify: the pool is faulted
     await stop.wait()
     logger.info("signal received: draining in-flight I/O")
+    notify(STOPPING=1, STATUS="draining in-flight I/O")
     return await server.stop()
 
 

@@ -127,7 +127,7 @@ def format_jobs(sessions: list[dict[str, Any]]) -> list[str]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from daemon.client import daemon_status
+    from daemon.control import daemon_status
 
     socket_path = args.socket
     if socket_path is None:
@@ -176,6 +176,14 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _VersionAction(argparse.Action):
+    """--version, looked up only when asked: the package metadata scan costs `offload status` a tenth of a second."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(f"offload {_version()}")
+        parser.exit()
+
+
 def _log_level(text: str) -> int:
     level = logging.getLevelName(text.upper())
     if not isinstance(level, int):
@@ -183,9 +191,9 @@ def _log_level(text: str) -> int:
     return level
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload", description="Memory-tiered offload engine.")
-    parser.add_argument("--version", action="version", version=f"offload {_version()}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this build runs: ISA paths, threads").set_defaults(fn=_info)
 
@@ -233,15 +241,22 @@ def _parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=_consolidate)
 
     e = sub.add_parser("estimate", help="device, host and NVMe bytes per ZeRO stage and offload choice")
-    from offload.estimate import add_arguments
+    if command == "estimate":  # its arguments come with torch; `offload status` must answer in well under 0.5 s
+        from offload.estimate import add_arguments
 
-    add_arguments(e)
+        add_arguments(e)
     e.set_defaults(fn=_estimate)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), if any."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(_command(argv)).parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

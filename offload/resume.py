@@ -56,6 +56,8 @@ class CommitRegion:
 
     @staticmethod
     def exists(store: Any) -> bool:
+        if getattr(store, "reattached", None) is False:
+            return False  # a fresh daemon session holds nothing: asking would be an error reply the daemon counts
         try:
             store.info(COMMIT_NAME)
         except ConfigError:

@@ -9,8 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# System packages: fio (swap bench peer), prometheus (the daemon's scrape test).
-APT_PACKAGES=(fio prometheus)
+# System packages: fio (swap bench peer), prometheus (the daemon's scrape test), systemd (systemd-analyze
+# verify of the daemon's unit).
+APT_PACKAGES=(fio prometheus systemd)
 STAMP_FILE=.venv/.setup-stamp
 
 stamp() {
@@ -75,4 +76,4 @@ pip_install torch==2.13.0
 echo "setup: installing this project in place and compiling its C (cffi, gcc)"
 pip_install -e '.[test,triton]'  # triton: the batched copy kernel's tests run under its interpreter
 stamp >"$STAMP_FILE"
-echo "setup: done"
+echo "setup: done. \`source .venv/bin/activate\` puts the offload command on PATH (or run .venv/bin/offload)"

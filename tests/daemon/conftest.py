@@ -91,7 +91,9 @@ def write_config(workdir: str, swap_paths: int = 1, **tables: dict) -> str:
     return path
 
 
-def start_daemon(slow: bool = False, swap_paths: int = 1, **tables: dict) -> DaemonProcess:
+def start_daemon(slow: bool = False, swap_paths: int = 1, env: dict | None = None, wait: bool = True,
+                 **tables: dict) -> DaemonProcess:
+    """A daemon process on a fresh config; with ``wait``, once it answers STATUS."""
     workdir = tempfile.mkdtemp(prefix="ofl-d-", dir="/tmp")  # short: AF_UNIX paths are <= 107 bytes
     if slow and STORE == "swap":
         tables.setdefault("io", {}).update(kind="threads", block_size_bytes=4096, queue_depth=1, num_threads=1)
@@ -104,8 +106,10 @@ def start_daemon(slow: bool = False, swap_paths: int = 1, **tables: dict) -> Dae
                "--read-delay-seconds", "1.0" if slow else "0"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
+                                env={**os.environ, "PYTHONPATH": child_pythonpath(REPO), **(env or {})})
     d = DaemonProcess(proc, os.path.join(workdir, "d.sock"), workdir, log_path)
+    if not wait:
+        return d
     deadline = time.monotonic() + 30
     while True:
         try:

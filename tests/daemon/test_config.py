@@ -83,3 +83,11 @@ def test_swap_tables_are_checked_against_the_swap_configs(tmp_path):
     path.write_text("[io]\nqueue_dept = 3\n")
     with pytest.raises(ConfigError, match=r"unknown key \[io\] queue_dept"):
         load_config(path)
+
+
+@pytest.mark.parametrize("value, expected", [('"offload"', "offload"), ("4242", "4242"), ('""', "")])
+def test_socket_group_is_a_name_or_a_number(tmp_path, value, expected):
+    path = tmp_path / "node.toml"
+    path.write_text(f'[server]\nsocket_path = "/tmp/x.sock"\nsocket_group = {value}\n')
+    assert load_config(path).server.socket_group == expected
+    assert DaemonConfig().server.socket_group == ""  # by default nobody is let in for a group

@@ -184,3 +184,48 @@ def test_the_pool_on_reserved_huge_pages_serves_sessions(daemon_factory):
     c.wait_for_prefetch(c.prefetch(["x"]), timeout_seconds=20)
     assert bytes(c.host_view("x")) == payload
     c.close()
+
+
+_FILE_EVENTS = {"os.remove", "os.rmdir", "os.listdir", "os.scandir", "open", "os.mkdir"}
+_watched: list[tuple[str, str, bool]] = []  # (event, path, on the main thread) while a test watches
+_watch_root: list[str] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _watch_root and event in _FILE_EVENTS and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.fsdecode(args[0])
+        if path.startswith(_watch_root[0]):
+            import threading
+            _watched.append((event, path, threading.current_thread() is threading.main_thread()))
+
+
+sys.addaudithook(_audit)  # audit hooks cannot be removed: it does nothing unless a test sets _watch_root
+
+
+def test_the_sweep_runs_off_the_event_loop_through_aiofiles(swap_dir):
+    """A killed daemon's tree is swept by SwapClaim.open on the event loop, every file operation of the sweep
+    and the claim in aiofiles' worker threads (seen by an audit hook), none on the loop's thread."""
+    import asyncio
+
+    from daemon.files import SwapClaim
+
+    stale = Path(swap_dir, "ofl-daemon-0")
+    (stale / "deeper").mkdir(parents=True)
+    for i in range(50):
+        (stale / f"part{i}.bin").write_bytes(b"x" * 8192)
+    (stale / "deeper" / "swap.bin").write_bytes(b"y" * 8192)
+    Path(swap_dir, "ofl-daemon-0.lock").write_text("")  # its holder is gone: nobody holds the lock
+    _watched.clear()
+    _watch_root.append(swap_dir)
+    try:
+        claim = asyncio.run(SwapClaim.open([swap_dir]))
+    finally:
+        _watch_root.clear()
+    removed = [path for event, path, _ in _watched if event == "os.remove"]
+    assert len([p for p in removed if p.startswith(str(stale) + os.sep)]) == 51, removed
+    on_loop = [(event, path) for event, path, main in _watched if main]
+    assert on_loop == [], on_loop
+    assert claim.dirs == [str(stale)] and os.listdir(stale) == []  # slot 0 again, its old files gone
+    assert files_under(swap_dir) == ["ofl-daemon-0.lock"]
+    claim.close()
+    assert files_under(swap_dir) == [] and os.listdir(swap_dir) == [".ofl-daemon.lock"]

@@ -39,8 +39,11 @@ def get(port: int, path: str, timeout: float = 10) -> tuple[int, str]:
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is absent")
 def test_the_systemd_unit_verifies(tmp_path):
     unit = (REPO / "tools/systemd/offload-daemon.service").read_text()
-    for key in ("LimitMEMLOCK=infinity", "LimitNOFILE=", "RuntimeDirectory=offload", "KillSignal=SIGTERM"):
-        assert key in unit
+    lines = set(unit.splitlines())
+    for key in ("LimitMEMLOCK=infinity", "RuntimeDirectory=offload", "KillSignal=SIGTERM", "Type=notify",
+                "User=offload", "Group=offload"):
+        assert key in lines, key
+    assert not any(line.startswith("PrivateTmp=") for line in lines)  # it would hide a socket under /tmp
     offload = Path(sys.executable).parent / "offload"  # the unit names /opt/offload's; verify it with ours
     if not offload.exists():
         pytest.skip(f"{offload} is not installed (pip install -e .)")
@@ -50,7 +53,9 @@ def test_the_systemd_unit_verifies(tmp_path):
     assert out.returncode == 0 and "offload-daemon.service" not in out.stderr, out.stderr
     # The node.toml beside it is a valid config.
     from daemon.config import load_config
-    assert load_config(REPO / "tools/systemd/node.toml").server.socket_path == "/run/offload/daemon.sock"
+    server = load_config(REPO / "tools/systemd/node.toml").server
+    assert server.socket_path == "/run/offload/daemon.sock"  # in the unit's RuntimeDirectory
+    assert (server.socket_group, server.socket_mode) == ("offload", 0o660)
 
 
 def test_version_and_case_insensitive_log_levels(tmp_path):
@@ -167,3 +172,15 @@ def test_alert_rules_are_valid_and_use_exported_metrics():
     out = subprocess.run(["promtool", "check", "rules", str(REPO / "tools/prometheus/offload-alerts.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_status_imports_neither_torch_nor_the_daemons_server(shared_daemon):
+    """`offload status` answers in a fraction of a second: torch's import alone takes 2-5 s on a loaded node."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "offload.cli", "status", "--socket",
+                          shared_daemon.socket_path], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)})
+    assert out.returncode == 0 and "engine" in out.stdout, out.stderr[-2000:]
+    imported = {line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy", "swap", "aiofiles")
+                   or m in ("daemon.server", "daemon.metrics", "daemon.backend", "importlib.metadata"))
+    assert heavy == [], heavy

@@ -3,6 +3,7 @@ sees it in STATUS. Runs as root with two throwaway users (skipped otherwise); th
 from this process and drop to the user's uid, so they run the same code."""
 from __future__ import annotations
 
+import grp
 import json
 import os
 import pwd
@@ -35,14 +36,15 @@ def users():
             subprocess.run(["userdel", name], capture_output=True)
 
 
-def run_as(uid: int, fn, *args):
-    """``fn(*args)`` in a child forked from this process with ``uid``; its return value (JSON) or its error."""
+def run_as(uid: int, fn, *args, groups: tuple[int, ...] = ()):
+    """``fn(*args)`` in a child forked from this process with ``uid`` (and supplementary ``groups``); its return
+    value (JSON) or its error."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: drop to the user, run, report, leave without cleanup of the parent's state
         try:
             os.close(r)
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(pwd.getpwuid(uid).pw_gid)
             os.setuid(uid)
             os.environ.pop("XDG_RUNTIME_DIR", None)
@@ -164,3 +166,37 @@ def test_a_reattach_needs_the_token_and_tierclient_keeps_it(daemon_factory, tmp_
     assert len(files) == 1 and os.stat(tmp_path / files[0]).st_mode & 0o777 == 0o600
     again.close()
     assert os.listdir(tmp_path) == []  # close() ends the session: nothing left to reattach to
+
+
+def open_session(socket_path: str) -> int:
+    c = TierClient(TierClientConfig(socket_path=socket_path, job_id="grouped", timeout_seconds=20))
+    session_id = c.session_id
+    c.close()
+    return session_id
+
+
+def test_members_of_the_socket_group_connect_and_others_do_not(daemon_factory, users):
+    """The systemd set-up: the socket 0660 in a group training users join, no allowed_uids."""
+    a, b = users
+    group = f"oflg{os.getpid() % 100000}"
+    subprocess.run(["groupadd", "--system", group], check=True, capture_output=True)
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        d = daemon_factory(server={"socket_group": group, "socket_mode": 0o660})
+        os.chmod(d.workdir, 0o755)
+        st = os.stat(d.socket_path)
+        assert (st.st_gid, st.st_mode & 0o777) == (gid, 0o660)
+        member = run_as(a, open_session, d.socket_path, groups=(gid,))  # a supplementary group, as usermod -aG
+        assert "ok" in member, member
+        outsider = run_as(b, open_session, d.socket_path)
+        assert outsider.get("error") == "PermissionError", outsider  # the socket's mode keeps b out
+        # A socket anyone may open: the daemon itself lets in the group's members and refuses the rest.
+        d.stop()
+        d2 = daemon_factory(server={"socket_group": group, "socket_mode": 0o666})
+        os.chmod(d2.workdir, 0o755)
+        assert "ok" in run_as(a, open_session, d2.socket_path, groups=(gid,))
+        refused = run_as(b, open_session, d2.socket_path)
+        assert "error" in refused, refused
+        assert f"refused a connection from uid {b}" in d2.log() and "not in [server] allowed_uids" in d2.log()
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True)

@@ -181,6 +181,7 @@ def test_socket_mode_status_table_and_metrics(shared_daemon, capsys):
     with client(shared_daemon, "table", rank=5) as c:
         c.allocate("t", 4096)
         c.wait_for_evict(c.evict(["t"]), timeout_seconds=10)
+        c.allocate("held", 3 << 20)  # stays in host memory
         assert offload_main(["status", "--socket", shared_daemon.socket_path]) == 0
         out = capsys.readouterr().out
         assert shared_daemon.status()["engine"] in out and "table" in out and "JOB" in out
@@ -191,7 +192,11 @@ def test_socket_mode_status_table_and_metrics(shared_daemon, capsys):
     assert samples[("offload_swap_bytes_total", (("direction", "write"), ("tier", "nvme")))] == \
         status["bytes_moved"]["write"] > 0
     assert "offload_request_seconds_bucket" in text and "offload_pinned_pool_bytes" in text
-    assert samples[("offload_session_host_bytes", (("job", "table"), ("rank", "5"), ("uid", str(os.getuid()))))] == 8 << 20
+    labels = (("job", "table"), ("rank", "5"), ("uid", str(os.getuid())))
+    row = next(r for r in status["sessions"] if r["job_id"] == "table")
+    # The dashboard's "host memory per session" is what status shows held, beside the quota.
+    assert samples[("offload_session_host_bytes", labels)] == row["stats"]["host_pool_used_bytes"] >= 3 << 20
+    assert samples[("offload_session_quota_bytes", labels)] == row["quota_bytes"] == 8 << 20
     assert samples[("offload_sessions", (("state", "attached"),))] >= 1
 
 

@@ -9,6 +9,7 @@ import torch
 
 from offload import initialize
 from tests.daemon.conftest import STORE, start_daemon
+from tests.daemon.test_refusals import errors
 from tests.offload import ckpt_worker
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
@@ -58,6 +59,7 @@ def test_training_through_the_daemon_matches_the_embedded_store(tmp_path, device
             # on NVMe, or on its way there or back (the last step's evicts can still be in flight)
             assert stats.state_bytes_by_tier["nvme"] + stats.state_bytes_by_tier.get("in_flight", 0) > 0
         engine.close()
+        assert errors(daemon.metrics_port) == {}  # a clean job adds nothing to offload_errors_total
         monkeypatch.delenv("OFFLOAD_DAEMON_SOCKET")
         config.pop("offload")
         embedded, ref_net, ref_losses = _train(config)
