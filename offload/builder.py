@@ -373,6 +373,8 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
     if verdict == FRESH and getattr(tier.store, "reattached", False):
         tier.close()  # a session without a commit (a start that died early): begin again
         tier = open_()
+        logger.warning("rank %d: the daemon's session for this job never committed a step (a start that died "
+                       "early): starting fresh", ranks.rank)
     return tier, verdict, payload, commit
 
 

@@ -36,7 +36,7 @@ from offload.engine import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
+__all__ = ["checkpoint_step", "consolidate", "load_checkpoint", "resolve_path", "save_checkpoint"]
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # their places in a sub-group's state block
 LATEST = "latest"
@@ -274,7 +274,8 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
     return path
 
 
-def _resolve_path(load_dir: str, tag: str | None) -> str | None:
+def resolve_path(load_dir: str, tag: str | None) -> str | None:
+    """The checkpoint ``load_checkpoint`` would load (tag None: the one ``latest`` names); None if there is none."""
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.exists(latest):
@@ -289,7 +290,7 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
                     load_lr_scheduler_states: bool) -> tuple[str | None, dict]:
     """Load what ``save_checkpoint`` saved, onto this engine's ranks and layout. Returns (path, client_state);
     (None, {}) when there is no checkpoint there."""
-    path = _resolve_path(load_dir, tag)
+    path = resolve_path(load_dir, tag)
     if path is None:
         logger.warning("no checkpoint in %s (tag %s): nothing loaded", load_dir, tag or "from 'latest'")
         return None, {}
@@ -326,8 +327,17 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
     client_state = pickle.loads(state["client_state"])
     engine.client_state = dict(client_state) if isinstance(client_state, dict) else {}
     engine.zero_grad()
+    engine.last_checkpoint = path
     logger.info("rank %d loaded %s", engine.global_rank, path)
     return path, client_state
+
+
+def checkpoint_step(path: str) -> int:
+    """The global step a checkpoint was saved at, read from its ``engine`` entry alone (each rank on its own)."""
+    state: dict[str, Any] = {"engine": b""}
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return int(pickle.loads(state["engine"])["global_steps"])
 
 
 def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ DeepSpeed's engine run with the import changed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -17,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from csrc import ConfigError
+from csrc import ConfigError, DaemonNotRunningError
 from offload.host_heap import HeapTrimmer
 from offload.precision import LossScaler, clip_coefficient
-from offload.resume import CommitRegion
+from offload.resume import CommitRegion, daemon_lost
 from offload.tiers import Tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -176,6 +177,18 @@ class Engine:
 
     # -- the training loop ---------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _daemon_alive(self):
+        """A daemon that went away mid-training: say what was lost and what to do (offload.resume.daemon_lost)."""
+        try:
+            yield
+        except DaemonNotRunningError as exc:
+            if self.tier is None or not self.tier.daemon:
+                raise
+            raise DaemonNotRunningError(daemon_lost(rank=self.global_rank, step=self.global_steps,
+                                                    tier=self.tier.description, last_checkpoint=self.last_checkpoint,
+                                                    cause=exc)) from exc
+
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
         return self
@@ -190,7 +203,8 @@ class Engine:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
         try:
-            out = self.module(*args, **kwargs)
+            with self._daemon_alive():
+                out = self.module(*args, **kwargs)
         except RuntimeError as err:
             if self.stage3 is not None and "storage of size 0" in str(err):
                 raise ConfigError(
@@ -210,6 +224,10 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss`` scaled by the loss scale / accumulation steps; reduces gradients as they come."""
+        with self._daemon_alive():
+            return self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> torch.Tensor:
         gas = self.gradient_accumulation_steps()
         final = self.is_gradient_accumulation_boundary()
         stage2 = self.config.zero.stage >= 2  # stage 3 reduces every micro-step too
@@ -235,6 +253,10 @@ class Engine:
     def step(self) -> None:
         """At an accumulation boundary: clip, step (or skip on overflow), update the loss scale and LR,
         and commit the small state to the daemon. After a SIGTERM, the boundary ends the process."""
+        with self._daemon_alive():
+            self._step()
+
+    def _step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._take_step()
@@ -364,15 +386,30 @@ class Engine:
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict]:
-        from offload.checkpoint import load_checkpoint
+                        load_lr_scheduler_states: bool = True, *, force: bool = False) -> tuple[str | None, dict]:
+        """DeepSpeed's call: (path, client_state), (None, {}) without a checkpoint. [Note: newest state wins]:
+        after a resume from the daemon, a checkpoint no newer than the resumed state is not loaded (the
+        return is then the checkpoint's path and the resumed ``client_state``); ``force=True`` loads it anyway."""
+        from offload.checkpoint import checkpoint_step, load_checkpoint, resolve_path
 
+        path = resolve_path(load_dir, tag)
+        if path is not None and self.resumed_step is not None and not force:
+            saved = checkpoint_step(path)
+            if saved <= self.global_steps:
+                logger.warning("rank %d: kept the state resumed from the daemon (step %d) over checkpoint %s "
+                               "(step %d, older); load_checkpoint(..., force=True) loads it anyway",
+                               self.global_rank, self.global_steps, path, saved)
+                return path, dict(self.client_state)
         if self.delayed is not None:
             self.delayed.discard()  # its params would overwrite the loaded ones
         if self.overlap is not None:
             self.overlap.cancel()
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states)
+        loaded = load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                 load_lr_scheduler_states=load_lr_scheduler_states)
+        if loaded[0] is not None and self.commit is not None and self.resumed_step is None:
+            logger.warning("rank %d: starting from checkpoint %s at step %d (the daemon held no committed state "
+                           "for this job)", self.global_rank, loaded[0], self.global_steps)
+        return loaded
 
     def offload_stats(self) -> EngineStats:
         storage = self.adam.storage

@@ -22,6 +22,11 @@ The trainer writes it (the daemon never reads it): the marker goes to 1 before t
 step touches the master weights or moments, the payload and step are written after the step,
 and the marker goes back to 0 last. A process killed anywhere in between leaves marker 1: the
 state is torn (some sub-groups stepped, others not) and is never resumed from.
+
+A region whose step is still -1 was never committed (the trainer died before its first step
+finished: in its first forward, say). Its session holds nothing a restart needs, so it is a
+fresh start, not a torn one, whatever the marker says: the restarted trainer builds the state
+again from the model (and loads its checkpoint, if the script does that), as the first did.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from csrc import ConfigError, SessionError, StateTornError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMIT_BYTES", "CommitRegion"]
+__all__ = ["COMMIT_BYTES", "CommitRegion", "daemon_lost"]
 
 COMMIT_NAME = "engine.commit"
 COMMIT_BYTES = 256 << 10
@@ -107,6 +112,8 @@ def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, Commit
         return FRESH, -1, None, None
     commit = CommitRegion(store, existing=True)
     marker, step, payload = commit.read()
+    if step < 0:  # never committed: a fresh start ([Note: commit region layout])
+        return FRESH, step, None, None
     if marker != COMMITTED:
         return TORN, step, payload, commit
     return RESUME, step, payload, commit
@@ -133,3 +140,17 @@ def agree(verdict: str, step: int, group: Any, world_size: int) -> tuple[str, st
     if kinds == {codes[RESUME]} and len(steps) == 1:
         return RESUME, said
     return TORN, said
+
+
+def daemon_lost(*, rank: int, step: int, tier: str, last_checkpoint: str | None, cause: BaseException) -> str:
+    """The message of a trainer whose daemon went away: what was lost, and what to do next."""
+    if last_checkpoint:
+        then = (f"then restart the job: it starts from its last checkpoint, {last_checkpoint} (the script's "
+                "engine.load_checkpoint loads it), and redoes the steps after it")
+    else:
+        then = ("then restart the job: it saved no checkpoint since it started, so it starts again from step 0 "
+                "(save checkpoints with engine.save_checkpoint to bound what a daemon crash costs)")
+    return (f"rank {rank}: the offload daemon was found gone at step {step} ({tier}: {cause}). The optimizer state it "
+            "held for this job is lost (the fp32 master weights, the Adam moments in its memory and swap, and the "
+            "per-step commit a restart resumes from): this job cannot resume from the daemon. Restart the daemon "
+            f"(offload daemon --config <node.toml>), {then}.")
