@@ -294,16 +294,8 @@ class Engine:
             norm = math.sqrt(sumsq) / denom
             self.last_grad_norm = norm
             self._multiplier = clip_coefficient(norm, self.config.gradient_clipping) / denom
-            if self.commit is not None:
-                self.commit.begin_step()  # [Note: commit region layout] in offload.resume
             self.optimizer.step()
-            if self.lr_scheduler is not None:
-                # torch's schedulers warn unless optimizer.step() ran; the engine steps Adam itself
-                self.optimizer._opt_called = True
-                self.lr_scheduler.step()
-        self.scaler.update(overflow)
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self._count_step(overflow)
         self.step_seconds += time.perf_counter() - t0
         self.wall_seconds["step"] = self.step_seconds
         if self.overlap is not None:
@@ -317,17 +309,51 @@ class Engine:
                 logger.info("rank %d wall clock so far: %s", self.global_rank,
                             ", ".join(f"{k} {v:.3f} s" for k, v in self.wall_seconds.items()))
 
+    def _count_step(self, overflow: bool) -> None:
+        """A step's bookkeeping after its Adam pass (or its skip): LR schedule, loss scale, counters."""
+        if not overflow and self.lr_scheduler is not None:
+            # torch's schedulers warn unless optimizer.step() ran; the engine steps Adam itself
+            self.optimizer._opt_called = True
+            self.lr_scheduler.step()
+        self.scaler.update(overflow)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
     def apply_update(self) -> None:
         """The optimizer's step (called by ``optimizer.step()`` from ``step()``, never by a script)."""
         if self._multiplier is None:
             raise ConfigError("optimizer.step() is driven by the engine: call engine.backward(loss); engine.step()")
         multiplier, self._multiplier = self._multiplier, None
+        if self.commit is not None and (self.delayed is not None or self.overlap is not None):
+            self.commit.begin_step()  # [Note: restartable step] in offload.resume: no record for these
         if self.delayed is not None and self.delayed.applies():
             self.delayed.start(multiplier)
         elif self.overlap is not None:
             self.overlap.step(multiplier)
+        elif self.commit is not None and self.delayed is None:
+            small = self.small_state()
+            plan = self.adam.prepare_step()
+            self.commit.begin_recorded_step({"small": small, "step_count": plan.step_count, "hypers": plan.hypers,
+                                             "multiplier": multiplier})
+            self.adam.step_states(multiplier, plan, progress=self.commit)
+            self.adam.publish()
         else:
             self.adam.step(multiplier)
+
+    def finish_step(self, record: dict[str, Any], done: int) -> None:
+        """A restarted rank finishes the step its predecessor was killed in, from the step record
+        ([Note: restartable step]): the small state as the step began, the sub-groups from ``done`` on,
+        then the step's bookkeeping. The params are the caller's to rebuild from the masters after."""
+        from offload.zero.optimizer import StepPlan
+
+        self.restore_small_state(record["small"])
+        grads = [self.adam.storage.grad(i) for i in range(len(self.layout.sub_groups))]
+        plan = StepPlan(record["step_count"], record["hypers"], grads)
+        self.adam.step_count = record["step_count"] + 1
+        self.adam.step_states(record["multiplier"], plan, skip=frozenset(range(done)), progress=self.commit)
+        self.adam.storage.drain()
+        self._count_step(False)
+        self.micro_steps += 1
 
     def zero_grad(self) -> None:
         self.reducer.zero()

@@ -2,7 +2,10 @@
 
 usage: resume_worker.py DEVICE WORKDIR STEPS
 Environment: FAULT=kill-forward|kill-step|sigterm-forward with FAULT_STEP and FAULT_RANK (first attempt
-only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start).
+only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start). Kills inside
+the step that a restart finishes (issue 18): kill-after-sub-group (as the second sub-group is fetched),
+kill-in-evict (as the first sub-group's write-back starts: nvme), kill-in-publish (every sub-group stepped,
+the params not yet gathered).
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
@@ -24,6 +27,31 @@ def read_losses(workdir, rank: int, steps: int) -> list[float]:
             step, loss = line.split()
             out[int(step)] = float(loss)
     return [out[s] for s in range(steps)]
+
+
+STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish")
+
+
+def _die_inside_the_step(engine, fault: str) -> None:
+    """SIGKILL this process at a moment of the next optimizer step ([Note: restartable step])."""
+    storage, adam = engine.adam.storage, engine.adam
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if fault == "kill-after-sub-group":
+        acquire = storage.acquire
+        storage.acquire = lambda sg: die() if sg == 1 else acquire(sg)
+    elif fault == "kill-in-evict":
+        release = storage.release
+
+        def releasing(sg, *, dirty):
+            release(sg, dirty=dirty)
+            if dirty:
+                die()  # the evict was just queued: in flight in the daemon
+        storage.release = releasing
+    else:
+        adam.publish = die
 
 
 def main() -> int:
@@ -65,6 +93,8 @@ def main() -> int:
                         step_sub_group(*args, **kwargs)
                         os.kill(os.getpid(), signal.SIGKILL)
                     engine.adam._step_sub_group = dying
+                if fault in STEP_FAULTS:
+                    _die_inside_the_step(engine, fault)
             x, y = data[step]
             x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
             loss = torch.nn.functional.mse_loss(engine(x), y)

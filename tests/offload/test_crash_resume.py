@@ -109,3 +109,33 @@ def test_daemon_death_names_what_was_lost_and_the_checkpoint(tmp_path, through_d
         assert "starts again from step 0" in message
     with pytest.raises(DaemonNotRunningError):
         engine.close()
+
+
+_references: dict = {}
+
+
+def _reference(tmp_path_factory, stage):
+    """Two ranks, embedded stores, uninterrupted, at ``stage`` (one run per stage for the module)."""
+    if stage not in _references:
+        workdir = tmp_path_factory.mktemp(f"reference-stage{stage}")
+        proc = _run(workdir, "nvme", ranks=2, STAGE=stage)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _references[stage] = workdir
+    return _references[stage]
+
+
+@pytest.mark.parametrize("stage,device,fault", [
+    (2, "nvme", "kill-after-sub-group"), (2, "nvme", "kill-in-evict"), (2, "nvme", "kill-in-publish"),
+    (1, "cpu", "kill-after-sub-group"), (2, "cpu", "kill-in-publish"), (3, "nvme", "kill-after-sub-group"),
+])
+def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_factory, daemon, stage, device,  # noqa: F811
+                                                         fault):
+    ref = _reference(tmp_path_factory, stage)
+    proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage,
+                FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN" not in proc.stderr
+    assert "the step it was killed in finished from its committed inputs" in proc.stderr
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == 16
+    _same(ref, tmp_path, ranks=2)
