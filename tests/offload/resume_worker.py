@@ -4,7 +4,7 @@ usage: resume_worker.py DEVICE WORKDIR STEPS
 Environment: FAULT=kill-forward|kill-step|sigterm-forward with FAULT_STEP and FAULT_RANK (first attempt
 only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start). Kills inside
 the step that a restart finishes (issue 18): kill-after-sub-group (as the second sub-group is fetched),
-kill-in-evict (as the first sub-group's write-back starts: nvme), kill-in-publish (every sub-group stepped,
+kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), kill-in-publish (every sub-group stepped,
 the params not yet gathered).
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
@@ -43,13 +43,12 @@ def _die_inside_the_step(engine, fault: str) -> None:
         acquire = storage.acquire
         storage.acquire = lambda sg: die() if sg == 1 else acquire(sg)
     elif fault == "kill-in-evict":
-        release = storage.release
+        done = engine.commit.sub_group_done
 
-        def releasing(sg, *, dirty):
-            release(sg, dirty=dirty)
-            if dirty:
-                die()  # the evict was just queued: in flight in the daemon
-        storage.release = releasing
+        def recorded(n):
+            done(n)
+            die()  # the first sub-group's write-back was just queued: in flight in the daemon
+        engine.commit.sub_group_done = recorded
     else:
         adam.publish = die
 
