@@ -120,6 +120,9 @@ class Engine:
         self.client_state: dict[str, Any] = {}
         """The caller's small state (its data position): committed with every step, back after a resume."""
         self.commit: CommitRegion | None = None  # set by initialize when the tier is the daemon
+        self.record_steps = True
+        """With the daemon: record each step's inputs and progress so that a restart can finish it
+        ([Note: restartable step]); False steps as before (torn if cut), for the paired bench."""
         self.reporter: Any = None  # offload.report.StepReporter: with the daemon, one report per step
         self.resumed_step: int | None = None  # the step this process resumed from the daemon at, if it did
         self.last_checkpoint: str | None = None
@@ -324,13 +327,14 @@ class Engine:
         if self._multiplier is None:
             raise ConfigError("optimizer.step() is driven by the engine: call engine.backward(loss); engine.step()")
         multiplier, self._multiplier = self._multiplier, None
-        if self.commit is not None and (self.delayed is not None or self.overlap is not None):
+        recorded = self.commit is not None and self.record_steps and self.delayed is None and self.overlap is None
+        if self.commit is not None and not recorded:
             self.commit.begin_step()  # [Note: restartable step] in offload.resume: no record for these
         if self.delayed is not None and self.delayed.applies():
             self.delayed.start(multiplier)
         elif self.overlap is not None:
             self.overlap.step(multiplier)
-        elif self.commit is not None and self.delayed is None:
+        elif recorded:
             small = self.small_state()
             plan = self.adam.prepare_step()
             self.commit.begin_recorded_step({"small": small, "step_count": plan.step_count, "hypers": plan.hypers,

@@ -22,6 +22,7 @@ Usage: python tools/bench/bench_step.py [--rounds 3] [--steps-per-round 3] [--ba
        [--seq 128] [--nvme-path DIR] [--nvme 4 4:nocrc] [--daemon-ranks N] [--out FILE]
        python tools/bench/bench_step.py --stage3 ...   (the stage 3 rows: tools/bench/step_stage3.py)
        python tools/bench/bench_step.py --gpu ...      (the GPU rows, ~1B bf16: tools/bench/step_gpu.py)
+       python tools/bench/bench_step.py --record ...   (the step record's cost, resume time: step_record.py)
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         import step_stage3
 
         return step_stage3.main([a for a in argv if a != "--stage3"])
+    if "--record" in argv:  # the restartable step's cost and resume time: tools/bench/step_record.py
+        import step_record
+
+        return step_record.main([a for a in argv if a != "--record"])
     if "--gpu" in argv:  # the GPU rows (bf16, ~1B): tools/bench/step_gpu.py
         import step_gpu
 
