@@ -37,7 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 from bench_adam import cpu_description as _cpu_model  # noqa: E402
-from bench_step import GPT, EngineContender, _fmt, _load, engine_config, publish  # noqa: E402
+from bench_step import (GPT, EngineContender, _fmt, _load, engine_config, model_and_batches,  # noqa: E402
+                        model_arguments, parse_step_args, publish, rotating_rounds)
 from step_ranks import SEGMENT_BYTES, _start_daemon  # noqa: E402
 
 from offload.builder import initialize  # noqa: E402
@@ -88,23 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=3, help="the first of them is not measured")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
+    model_arguments(ap)
     ap.add_argument("--nvme-path", default=None, help="directory for the daemon's swap (default: a temporary one)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
-    args = ap.parse_args(argv)
-    if args.steps_per_round < 2:
-        ap.error("--steps-per-round must be >= 2 (the first step of each is not measured)")
-
-    torch.manual_seed(0)
-    base = GPT(args.vocab, args.seq, args.dim, args.layers, args.heads)
+    args = parse_step_args(ap, argv)
+    base, data = model_and_batches(args)
     n_params = sum(p.numel() for p in base.parameters())
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
     workdir = tempfile.mkdtemp(prefix="bench-record-", dir=args.nvme_path)
     # two cpu engines hold their whole state and grads in the pool, two nvme engines their grads and window
     need = 2 * 20 * n_params + 2 * (4 * n_params + 8 * 12 * (4 << 20))
@@ -121,25 +111,17 @@ def main(argv: list[str] | None = None) -> int:
         paired: dict[str, list[float]] = {"cpu": [], "nvme": []}
         for c in contenders:  # warm-up: first step allocates, first NVMe read
             c.step(data[0][:, :-1], data[0][:, 1:])
-        cursor = 0
-        for r in range(args.rounds):
-            order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
-            round_step: dict[str, list[float]] = {}
-            for c in order:
-                for s in range(args.steps_per_round):
-                    batch = data[(cursor + s) % len(data)]
-                    step, opt, _, _ = c.step(batch[:, :-1], batch[:, 1:])
-                    if s:
-                        samples[c.name]["step"].append(step)
-                        samples[c.name]["opt"].append(opt)
-                        round_step.setdefault(c.name, []).append(step)
-            cursor += args.steps_per_round
-            for device in paired:
-                paired[device].append(statistics.median(round_step[f"{device}, recorded"])
-                                      / statistics.median(round_step[f"{device}, unrecorded"]))
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{n} {statistics.median(v):.2f}s"
-                                                              for n, v in round_step.items()), flush=True)
-        finish_s, finish_step = _resume_seconds(contenders[2], data[cursor % len(data)], cut=True)
+        by_round: list[dict[str, list[float]]] = [{} for _ in range(args.rounds)]
+        for r, c, s, batch in rotating_rounds(contenders, args.rounds, args.steps_per_round, data):
+            step, opt, _, _ = c.step(batch[:, :-1], batch[:, 1:])
+            if s:  # the first of a run is not measured
+                samples[c.name]["step"].append(step)
+                samples[c.name]["opt"].append(opt)
+                by_round[r].setdefault(c.name, []).append(step)
+        for device in paired:
+            paired[device] = [statistics.median(steps[f"{device}, recorded"])
+                              / statistics.median(steps[f"{device}, unrecorded"]) for steps in by_round]
+        finish_s, finish_step = _resume_seconds(contenders[2], data[0], cut=True)
         resume_s, resume_step = _resume_seconds(contenders[0], data[0], cut=False)
     finally:
         for c in contenders:
