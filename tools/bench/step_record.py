@@ -60,6 +60,23 @@ def _contender(name: str, base: GPT, device: str, socket: str, workdir: str, rec
     return c
 
 
+def _record_seconds(engine, repeats: int = 200) -> float:
+    """The record's own work per step, timed alone on a live engine: the small state, its pickle into
+    the region, and one start and one done per sub-group; the engine's commit is rewritten after."""
+    n = len(engine.layout.sub_groups)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.commit.begin_recorded_step({"small": engine.small_state(), "step_count": engine.adam.step_count,
+                                           "hypers": {}, "multiplier": 1.0})
+        for i in range(n):
+            engine.commit.sub_group_started(i)
+            engine.commit.sub_group_done(i + 1)
+        times.append(time.perf_counter() - t0)
+    engine.commit.commit(engine.global_steps, engine.small_state())
+    return statistics.median(times)
+
+
 def _resume_seconds(c: EngineContender, batch: torch.Tensor, *, cut: bool) -> tuple[float, int | None]:
     """Detach ``c``'s engine (inside a step with ``cut``), then time a fresh initialize on its session."""
     engine = c.engine
@@ -121,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         for device in paired:
             paired[device] = [statistics.median(steps[f"{device}, recorded"])
                               / statistics.median(steps[f"{device}, unrecorded"]) for steps in by_round]
+        record_s = _record_seconds(contenders[0].engine)
+        sub_groups = len(contenders[0].engine.layout.sub_groups)
         finish_s, finish_step = _resume_seconds(contenders[2], data[0], cut=True)
         resume_s, resume_step = _resume_seconds(contenders[0], data[0], cut=False)
     finally:
@@ -149,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {c.name} | {_fmt(samples[c.name]['step'])} | {_fmt(samples[c.name]['opt'], digits=3)} |")
     lines += ["", "Step with the record / without, paired: " + ", ".join(f"{d} **{_fmt(v, digits=3)}x**"
                                                                         for d, v in paired.items()), "",
+              f"The record's own work, timed alone (median of 200): {record_s * 1e6:.0f} us per step ({sub_groups} "
+              f"sub-groups), {record_s / statistics.median(samples['cpu, recorded']['opt']):.2%} of the cpu "
+              "contender's median optimizer step.", "",
               f"Resume through the daemon: nvme cut inside a step (after its first sub-group) and finished by "
               f"initialize in {finish_s:.2f} s (resumed at step {finish_step}); cpu detached between steps and "
               f"resumed in {resume_s:.2f} s (step {resume_step})."]
