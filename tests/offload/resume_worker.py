@@ -2,7 +2,9 @@
 
 usage: resume_worker.py DEVICE WORKDIR STEPS
 Environment: FAULT=kill-forward|kill-step|sigterm-forward with FAULT_STEP and FAULT_RANK (first attempt
-only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start). Kills inside
+only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start; with
+LOAD_AT_START=1 at every start, as a DeepSpeed script does, noting the step it starts at in
+WORKDIR/started-rank<r>.txt). Kills inside
 the step that a restart finishes (issue 18): kill-after-sub-group (as the second sub-group is fetched),
 kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), kill-in-publish (every sub-group stepped,
 the params not yet gathered).
@@ -68,8 +70,11 @@ def main() -> int:
     rank, world = engine.global_rank, engine.world_size
     ckpt_dir = os.path.join(workdir, "ckpt")
     every = int(os.environ.get("CKPT_EVERY", "0"))
-    if engine.resumed_step is None and every and os.path.exists(os.path.join(ckpt_dir, "latest")):
+    deepspeed_shaped = bool(os.environ.get("LOAD_AT_START"))  # loads whenever a checkpoint exists
+    if (engine.resumed_step is None or deepspeed_shaped) and every and os.path.exists(os.path.join(ckpt_dir, "latest")):
         engine.load_checkpoint(ckpt_dir)
+        with open(os.path.join(workdir, f"started-rank{engine.global_rank}.txt"), "a") as f:
+            f.write(f"{engine.global_steps}\n")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not os.path.exists(
         os.path.join(workdir, f"faulted-rank{rank}"))
     fault = os.environ.get("FAULT", "") if first_attempt and rank == int(os.environ.get("FAULT_RANK", "0")) else ""

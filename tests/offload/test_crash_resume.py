@@ -29,6 +29,18 @@ def test_rank_killed_in_its_first_forward_starts_fresh(tmp_path, daemon, referen
     _same(reference, tmp_path, ranks=2)
 
 
+def test_deepspeed_shaped_script_keeps_the_resumed_state(tmp_path, daemon, reference):  # noqa: F811
+    """Killed in forward at step 15 with a checkpoint at step 10; the script loads it at every start."""
+    proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path, CKPT_EVERY=10, LOAD_AT_START=1,
+                FAULT="kill-forward", FAULT_STEP=15, FAULT_RANK=0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == 15
+        assert (tmp_path / f"started-rank{r}.txt").read_text().split() == ["15"]  # not 10: nothing rolled back
+    assert proc.stderr.count("kept the state resumed from the daemon (step 15) over checkpoint") == 2
+    _same(reference, tmp_path, ranks=2)
+
+
 def _engine(config):
     net = ckpt_worker.model()
     engine, _, _, _ = initialize(model=net, config=config)
