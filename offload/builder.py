@@ -375,9 +375,9 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
         tier.close()  # the torn state is dropped: the next start is a fresh one
         raise StateTornError(
             f"rank {ranks.rank}: the daemon's copy of the training state is torn ({said}): a trainer died inside "
-            f"an optimizer step where it cannot be finished (inside a sub-group's Adam pass, or in an overlapped or "
-            f"delayed step: [Note: restartable step] in offload.resume). It was discarded; restart and load the last checkpoint "
-            f"({last or 'none was saved by this job since it started'}).")
+            f"an optimizer step where it cannot be finished (inside a sub-group's Adam pass, or in an overlapped "
+            f"or delayed step: [Note: restartable step] in offload.resume). It was discarded; restart and load the "
+            f"last checkpoint ({last or 'none was saved by this job since it started'}).")
     if verdict == FRESH and getattr(tier.store, "reattached", False):
         tier.close()  # a session without a commit (a start that died early): begin again
         tier = open_()

@@ -20,8 +20,9 @@ loading a checkpoint.
 
 The trainer writes it (the daemon never reads it): the marker goes to 1 before the optimizer
 step touches the master weights or moments, the payload and step are written after the step,
-and the marker goes back to 0 last. A process killed anywhere in between leaves marker 1: the
-state is torn (some sub-groups stepped, others not) and is never resumed from.
+and the marker goes back to 0 last. A process killed anywhere in between leaves marker 1: some
+sub-groups stepped, others not. Such a state is finished by the restart when the step record below
+says how, and is torn (never resumed from) otherwise.
 
 [Note: restartable step] The second half of the region, from ``RECORD_AT``, is the step record:
 what the step in progress consumes, written before it touches the first sub-group, and how far

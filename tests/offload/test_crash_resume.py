@@ -140,8 +140,8 @@ def _reference(tmp_path_factory, stage):
     (2, "nvme", "kill-after-sub-group"), (2, "nvme", "kill-in-evict"), (2, "nvme", "kill-in-publish"),
     (1, "cpu", "kill-after-sub-group"), (2, "cpu", "kill-in-publish"), (3, "nvme", "kill-after-sub-group"),
 ])
-def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_factory, daemon, stage, device,  # noqa: F811
-                                                         fault):
+def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_factory, daemon,  # noqa: F811
+                                                         stage, device, fault):
     ref = _reference(tmp_path_factory, stage)
     proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage,
                 FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
