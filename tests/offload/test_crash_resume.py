@@ -1,5 +1,7 @@
 """Issue 18: what survives a crash. A session that never committed a step is a fresh start (a
-real rank killed in its first forward, restarted by torchrun); the newest state wins when a
+real rank killed in its first forward, restarted by torchrun); a rank killed inside the optimizer
+step (after a sub-group, during an NVMe evict, before the gather; stages 1-3, cpu and nvme) is
+finished by its restart, bit-equal to a run never killed; the newest state wins when a
 DeepSpeed-shaped script loads its checkpoint after a resume from the daemon (``force=True``
 loads it anyway); a daemon that dies mid-training gets an error naming what was lost and the
 checkpoint to go back to."""
