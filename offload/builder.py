@@ -25,7 +25,7 @@ from offload.engine import Engine, RankInfo
 from offload.meta_init import init_fn_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
-from offload.resume import FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
+from offload.resume import FINISH, FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
 from offload.schedulers import build_scheduler
 from offload.tiers import Tier, open_tier, plan_bytes
 from offload.zero.grads import GradReducer
@@ -276,7 +276,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
                                device=ranks.device, window=window)
-        if verdict == RESUME:
+        if verdict in (RESUME, FINISH):
             storage.adopt()
         else:
             storage.allocate(parts.fill_master if parts else lambda sg, master: _fill_master(layout, sg, master, masters))
@@ -312,16 +312,23 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if tier is not None and tier.daemon:
             engine.commit = commit or CommitRegion(tier.store, existing=False)
             _stop_on_sigterm(engine)
-        if verdict == RESUME:
+        if verdict == FINISH:  # [Note: restartable step] in offload.resume
+            engine.finish_step(*payload["step_record"])
+        if verdict in (RESUME, FINISH):
             if parts is not None:
                 parts.reload_from_masters(adam)
             else:
                 adam.write_params_from_master()
-            engine.restore_small_state(payload)
+            if verdict == RESUME:
+                engine.restore_small_state(payload)
+            else:
+                engine.commit.commit(engine.global_steps, engine.small_state())
             engine.resumed_step = engine.global_steps
-            logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded)",
-                           ranks.rank, engine.global_steps, time.perf_counter() - t0)
-        engine.reporter = reporter_for(tier, skipped_steps=engine.skipped_steps, resumed=verdict == RESUME)
+            logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded%s)",
+                           ranks.rank, engine.global_steps, time.perf_counter() - t0,
+                           "; the step it was killed in finished from its committed inputs" if verdict == FINISH
+                           else "")
+        engine.reporter = reporter_for(tier, skipped_steps=engine.skipped_steps, resumed=verdict in (RESUME, FINISH))
     except BaseException:
         if tier is not None:
             tier.close()
@@ -385,11 +392,14 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
         tier.close()  # the torn state is dropped: the next start is a fresh one
         raise StateTornError(
             f"rank {ranks.rank}: the daemon's copy of the training state is torn ({said}): a trainer died inside "
-            f"an optimizer step. It was discarded; restart and load the last checkpoint "
-            f"({last or 'none was saved by this job since it started'}).")
+            f"an optimizer step where it cannot be finished (inside a sub-group's Adam pass, or in an overlapped "
+            f"or delayed step: [Note: restartable step] in offload.resume). It was discarded; restart and load the "
+            f"last checkpoint ({last or 'none was saved by this job since it started'}).")
     if verdict == FRESH and getattr(tier.store, "reattached", False):
         tier.close()  # a session without a commit (a start that died early): begin again
         tier = open_()
+        logger.warning("rank %d: the daemon's session for this job never committed a step (a start that died "
+                       "early): starting fresh", ranks.rank)
     return tier, verdict, payload, commit
 
 

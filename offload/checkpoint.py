@@ -40,7 +40,7 @@ from offload.rng import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["consolidate", "load_checkpoint", "save_checkpoint"]
+__all__ = ["checkpoint_step", "consolidate", "load_checkpoint", "resolve_path", "save_checkpoint"]
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # their places in a sub-group's state block
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for saves and loads at least this large
@@ -338,8 +338,17 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
     client_state = pickle.loads(state["client_state"])
     engine.client_state = dict(client_state) if isinstance(client_state, dict) else {}
     engine.zero_grad()
+    engine.last_checkpoint = path
     logger.info("rank %d loaded %s", engine.global_rank, path)
     return path, client_state
+
+
+def checkpoint_step(path: str) -> int:
+    """The global step a checkpoint was saved at, read from its ``engine`` entry alone (each rank on its own)."""
+    state: dict[str, Any] = {"engine": b""}
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return int(pickle.loads(state["engine"])["global_steps"])
 
 
 def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ DeepSpeed's engine run with the import changed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -17,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from csrc import ConfigError
+from csrc import ConfigError, DaemonNotRunningError
 from offload.host_heap import HeapTrimmer
 from offload.precision import LossScaler, clip_coefficient
-from offload.resume import CommitRegion
+from offload.resume import CommitRegion, daemon_lost
 from offload.rng import rng_state, set_rng_state
 from offload.tiers import Tier
 from offload.zero.grads import GradReducer
@@ -107,6 +108,9 @@ class Engine:
         self.client_state: dict[str, Any] = {}
         """The caller's small state (its data position): committed with every step, back after a resume."""
         self.commit: CommitRegion | None = None  # set by initialize when the tier is the daemon
+        self.record_steps = True
+        """With the daemon: record each step's inputs and progress so that a restart can finish it
+        ([Note: restartable step]); False steps as before (torn if cut), for the paired bench."""
         self.reporter: Any = None  # offload.report.StepReporter: with the daemon, one report per step
         self.resumed_step: int | None = None  # the step this process resumed from the daemon at, if it did
         self.last_checkpoint: str | None = None
@@ -164,6 +168,18 @@ class Engine:
 
     # -- the training loop ---------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _daemon_alive(self):
+        """A daemon that went away mid-training: say what was lost and what to do (offload.resume.daemon_lost)."""
+        try:
+            yield
+        except DaemonNotRunningError as exc:
+            if self.tier is None or not self.tier.daemon:
+                raise
+            raise DaemonNotRunningError(daemon_lost(rank=self.global_rank, step=self.global_steps,
+                                                    tier=self.tier.description, last_checkpoint=self.last_checkpoint,
+                                                    cause=exc)) from exc
+
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
         return self
@@ -178,7 +194,8 @@ class Engine:
             args = tuple(self._cast(a) for a in args)
             kwargs = {k: self._cast(v) for k, v in kwargs.items()}
         try:
-            out = self.module(*args, **kwargs)
+            with self._daemon_alive():
+                out = self.module(*args, **kwargs)
         except RuntimeError as err:
             if self.stage3 is not None and "storage of size 0" in str(err):
                 from offload.zero.external import unregistered_read_error
@@ -197,6 +214,10 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss`` scaled by the loss scale / accumulation steps; reduces gradients as they come."""
+        with self._daemon_alive():
+            return self._backward(loss)
+
+    def _backward(self, loss: torch.Tensor) -> torch.Tensor:
         gas = self.gradient_accumulation_steps()
         final = self.is_gradient_accumulation_boundary()
         stage2 = self.config.zero.stage >= 2  # stage 3 reduces every micro-step too
@@ -222,6 +243,10 @@ class Engine:
     def step(self) -> None:
         """At an accumulation boundary: clip, step (or skip on overflow), update the loss scale and LR,
         and commit the small state to the daemon. After a SIGTERM, the boundary ends the process."""
+        with self._daemon_alive():
+            self._step()
+
+    def _step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._take_step()
@@ -259,16 +284,8 @@ class Engine:
             norm = math.sqrt(sumsq) / denom
             self.last_grad_norm = norm
             self._multiplier = clip_coefficient(norm, self.config.gradient_clipping) / denom
-            if self.commit is not None:
-                self.commit.begin_step()  # [Note: commit region layout] in offload.resume
             self.optimizer.step()
-            if self.lr_scheduler is not None:
-                # torch's schedulers warn unless optimizer.step() ran; the engine steps Adam itself
-                self.optimizer._opt_called = True
-                self.lr_scheduler.step()
-        self.scaler.update(overflow)
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self._count_step(overflow)
         self.step_seconds += time.perf_counter() - t0
         self.wall_seconds["step"] = self.step_seconds
         if self.overlap is not None:
@@ -282,17 +299,52 @@ class Engine:
                 logger.info("rank %d wall clock so far: %s", self.global_rank,
                             ", ".join(f"{k} {v:.3f} s" for k, v in self.wall_seconds.items()))
 
+    def _count_step(self, overflow: bool) -> None:
+        """A step's bookkeeping after its Adam pass (or its skip): LR schedule, loss scale, counters."""
+        if not overflow and self.lr_scheduler is not None:
+            # torch's schedulers warn unless optimizer.step() ran; the engine steps Adam itself
+            self.optimizer._opt_called = True
+            self.lr_scheduler.step()
+        self.scaler.update(overflow)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
     def apply_update(self) -> None:
         """The optimizer's step (called by ``optimizer.step()`` from ``step()``, never by a script)."""
         if self._multiplier is None:
             raise ConfigError("optimizer.step() is driven by the engine: call engine.backward(loss); engine.step()")
         multiplier, self._multiplier = self._multiplier, None
+        recorded = self.commit is not None and self.record_steps and self.delayed is None and self.overlap is None
+        if self.commit is not None and not recorded:
+            self.commit.begin_step()  # [Note: restartable step] in offload.resume: no record for these
         if self.delayed is not None and self.delayed.applies():
             self.delayed.start(multiplier)
         elif self.overlap is not None:
             self.overlap.step(multiplier)
+        elif recorded:
+            small = self.small_state()
+            plan = self.adam.prepare_step()
+            self.commit.begin_recorded_step({"small": small, "step_count": plan.step_count, "hypers": plan.hypers,
+                                             "multiplier": multiplier})
+            self.adam.step_states(multiplier, plan, progress=self.commit)
+            self.adam.publish()
         else:
             self.adam.step(multiplier)
+
+    def finish_step(self, record: dict[str, Any], done: int) -> None:
+        """A restarted rank finishes the step its predecessor was killed in, from the step record
+        ([Note: restartable step]): the small state as the step began, the sub-groups from ``done`` on,
+        then the step's bookkeeping. The params are the caller's to rebuild from the masters after."""
+        from offload.zero.optimizer import StepPlan
+
+        self.restore_small_state(record["small"])
+        grads = [self.adam.storage.grad(i) for i in range(len(self.layout.sub_groups))]
+        plan = StepPlan(record["step_count"], record["hypers"], grads)
+        self.adam.step_count = record["step_count"] + 1
+        self.adam.step_states(record["multiplier"], plan, skip=frozenset(range(done)), progress=self.commit)
+        self.adam.storage.drain()
+        self._count_step(False)
+        self.micro_steps += 1
 
     def zero_grad(self) -> None:
         self.reducer.zero()
@@ -351,15 +403,30 @@ class Engine:
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True) -> tuple[str | None, dict]:
-        from offload.checkpoint import load_checkpoint
+                        load_lr_scheduler_states: bool = True, *, force: bool = False) -> tuple[str | None, dict]:
+        """DeepSpeed's call: (path, client_state), (None, {}) without a checkpoint. [Note: newest state wins]:
+        after a resume from the daemon, a checkpoint no newer than the resumed state is not loaded (the
+        return is then the checkpoint's path and the resumed ``client_state``); ``force=True`` loads it anyway."""
+        from offload.checkpoint import checkpoint_step, load_checkpoint, resolve_path
 
+        path = resolve_path(load_dir, tag)
+        if path is not None and self.resumed_step is not None and not force:
+            saved = checkpoint_step(path)
+            if saved <= self.global_steps:
+                logger.warning("rank %d: kept the state resumed from the daemon (step %d) over checkpoint %s "
+                               "(step %d, older); load_checkpoint(..., force=True) loads it anyway",
+                               self.global_rank, self.global_steps, path, saved)
+                return path, dict(self.client_state)
         if self.delayed is not None:
             self.delayed.discard()  # its params would overwrite the loaded ones
         if self.overlap is not None:
             self.overlap.cancel()
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states)
+        loaded = load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                 load_lr_scheduler_states=load_lr_scheduler_states)
+        if loaded[0] is not None and self.commit is not None and self.resumed_step is None:
+            logger.warning("rank %d: starting from checkpoint %s at step %d (the daemon held no committed state "
+                           "for this job)", self.global_rank, loaded[0], self.global_steps)
+        return loaded
 
     def offload_stats(self) -> EngineStats:
         storage = self.adam.storage

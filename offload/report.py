@@ -15,14 +15,16 @@ the session moved. Where the totals start: a fresh session starts every total at
 the bytes at what the session's store has moved so far (the daemon counted those already, bar
 the steps after the last report of the process that died) and the step time and I/O wait at
 zero (they belong to the process). A report the daemon refuses (an older daemon without JOB_STEP,
-a figure out of range) is logged once and reporting stops: metrics never stop training.
+a figure out of range) is logged once and reporting stops: metrics never stop training. A daemon
+that went away is not a refusal: ``DaemonNotRunningError`` goes up to ``Engine.step``, which says
+what was lost with it (``offload.resume.daemon_lost``).
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from csrc import OffloadError
+from csrc import DaemonNotRunningError, OffloadError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class StepReporter:
             return
         try:
             self._send(engine, closing)
+        except DaemonNotRunningError:
+            raise
         except (OffloadError, ValueError) as exc:
             self.enabled = False
             logger.warning("rank %d: the daemon refused the step report (%s); no more reports from this rank",

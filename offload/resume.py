@@ -20,8 +20,38 @@ loading a checkpoint.
 
 The trainer writes it (the daemon never reads it): the marker goes to 1 before the optimizer
 step touches the master weights or moments, the payload and step are written after the step,
-and the marker goes back to 0 last. A process killed anywhere in between leaves marker 1: the
-state is torn (some sub-groups stepped, others not) and is never resumed from.
+and the marker goes back to 0 last. A process killed anywhere in between leaves marker 1: some
+sub-groups stepped, others not. Such a state is finished by the restart when the step record below
+says how, and is torn (never resumed from) otherwise.
+
+[Note: restartable step] The second half of the region, from ``RECORD_AT``, is the step record:
+what the step in progress consumes, written before it touches the first sub-group, and how far
+it got:
+
+    offset  size  field
+    0       8     magic b"OFLSTP01"
+    8       4     valid: 1 = describes the step after the committed one; 0 = none (rewriting it)
+    12      4     reserved (0)
+    16      8     sub-groups done: [0, done) stepped and (nvme) marked dirty, in order
+    24      8     sub-group whose Adam pass is running, or -1
+    32      8     payload length
+    40      n     payload: a pickle of {"small": the engine's small state as the step began (its
+                  RNG, client_state, LR and loss scale), "step_count", "hypers", "multiplier"}
+
+The gradients the step reads are daemon regions already (the accumulators) and the Adam pass
+only reads them, so with the record they are the whole input. A rank killed inside the step
+with a valid record and no pass running is finished by its restart (``Engine.finish_step``):
+the sub-groups from ``done`` on are stepped from the committed inputs, then the params are
+rebuilt from the masters and the step's bookkeeping (LR schedule, loss scale, counters) runs
+as it would have: bit-equal to a run never killed. Killed inside a pass (the sub-group is half
+updated; a per-chunk undo record in the C pass is what would make that restartable too), or
+with no record (the overlapped step and the delayed update step sub-groups on another thread
+while backward or forward runs, with no record yet), the state is torn, as before.
+
+A region whose step is still -1 was never committed (the trainer died before its first step
+finished: in its first forward, say). Its session holds nothing a restart needs, so it is a
+fresh start, not a torn one, whatever the marker says: the restarted trainer builds the state
+again from the model (and loads its checkpoint, if the script does that), as the first did.
 """
 from __future__ import annotations
 
@@ -34,13 +64,17 @@ from csrc import ConfigError, SessionError, StateTornError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMIT_BYTES", "CommitRegion"]
+__all__ = ["COMMIT_BYTES", "CommitRegion", "daemon_lost"]
 
 COMMIT_NAME = "engine.commit"
 COMMIT_BYTES = 256 << 10
 MAGIC = b"OFLCMT01"
 _HEADER = struct.Struct("<8sIIqq")
 COMMITTED, IN_STEP = 0, 1
+RECORD_AT = 128 << 10  # [Note: restartable step]
+RECORD_MAGIC = b"OFLSTP01"
+_RECORD = struct.Struct("<8sIIqqq")
+NO_PASS = -1
 
 
 class CommitRegion:
@@ -82,47 +116,89 @@ class CommitRegion:
         return COMMITTED, step, payload
 
     def begin_step(self) -> None:
-        """Before the optimizer step writes the state: mark it in progress."""
+        """Before the optimizer step writes the state: mark it in progress (with no step record: torn if
+        it is cut short)."""
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 0)
         self._view[8:12] = struct.pack("<I", IN_STEP)
 
     def commit(self, step: int, payload: dict[str, Any]) -> None:
         """After the step: the small state, then the step number, then the marker."""
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) > COMMIT_BYTES - _HEADER.size:
-            raise ConfigError(f"the per-step state is {len(data)} bytes, over the commit region's "
-                              f"{COMMIT_BYTES - _HEADER.size}: keep engine.client_state small (a data position, "
-                              "not data)")
+        _fits(data, RECORD_AT - _HEADER.size)
         self._view[_HEADER.size:_HEADER.size + len(data)] = data
         self._view[16:32] = struct.pack("<qq", step, len(data))
         self._view[8:12] = struct.pack("<I", COMMITTED)
+
+    # -- the step record ([Note: restartable step]) --
+
+    def begin_recorded_step(self, record: dict[str, Any]) -> None:
+        """Before the step touches the state: what it consumes, then the marker."""
+        data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+        _fits(data, COMMIT_BYTES - RECORD_AT - _RECORD.size)
+        at = RECORD_AT + _RECORD.size
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 0)
+        self._view[at:at + len(data)] = data
+        self._view[RECORD_AT:RECORD_AT + _RECORD.size] = _RECORD.pack(RECORD_MAGIC, 0, 0, 0, NO_PASS, len(data))
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 1)
+        self._view[8:12] = struct.pack("<I", IN_STEP)
+
+    def sub_group_started(self, index: int) -> None:
+        self._view[RECORD_AT + 24:RECORD_AT + 32] = struct.pack("<q", index)
+
+    def sub_group_done(self, done: int) -> None:
+        """Sub-groups [0, done) are stepped (and marked dirty): no pass is running."""
+        self._view[RECORD_AT + 16:RECORD_AT + 32] = struct.pack("<qq", done, NO_PASS)
+
+    def read_record(self) -> tuple[dict[str, Any], int] | None:
+        """(payload, sub-groups done) of a step that can be finished; None if there is none, or it was
+        cut inside an Adam pass."""
+        magic, valid, _, done, in_pass, length = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
+        if magic != RECORD_MAGIC or valid != 1 or in_pass != NO_PASS:
+            return None
+        at = RECORD_AT + _RECORD.size
+        return pickle.loads(bytes(self._view[at:at + length])), done
 
     def release(self) -> None:
         self._view = None
 
 
-FRESH, RESUME, TORN = "fresh", "resume", "torn"
+def _fits(data: bytes, room: int) -> None:
+    if len(data) > room:
+        raise ConfigError(f"the per-step state is {len(data)} bytes, over the commit region's {room}: keep "
+                          "engine.client_state small (a data position, not data)")
+
+
+FRESH, RESUME, TORN, FINISH = "fresh", "resume", "torn", "finish"
 
 
 def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, CommitRegion | None]:
-    """What this rank's session holds: (verdict, step, payload, commit region)."""
+    """What this rank's session holds: (verdict, step, payload, commit region). FINISH: a step that
+    can be finished ([Note: restartable step]); its step is the one it reaches, and the payload
+    is the last commit's with the step record under "step_record" as (record, sub-groups done)."""
     if not CommitRegion.exists(store):
         return FRESH, -1, None, None
     commit = CommitRegion(store, existing=True)
     marker, step, payload = commit.read()
+    if step < 0:  # never committed: a fresh start ([Note: commit region layout])
+        return FRESH, step, None, None
     if marker != COMMITTED:
-        return TORN, step, payload, commit
+        record = commit.read_record() if payload is not None else None
+        if record is None:
+            return TORN, step, payload, commit
+        return FINISH, step + 1, dict(payload, step_record=record), commit
     return RESUME, step, payload, commit
 
 
 def agree(verdict: str, step: int, group: Any, world_size: int) -> tuple[str, str]:
-    """The verdict every rank acts on: resume only if every rank can resume from the same step,
-    fresh only if every rank is fresh, torn otherwise. Returns (verdict, what the ranks said)."""
+    """The verdict every rank acts on: resume (a rank's own FINISH: after finishing its step) only if
+    every rank reaches the same step, fresh only if every rank is fresh, torn otherwise. Returns
+    (verdict, what the ranks said)."""
     if world_size == 1:
         return verdict, f"{verdict} at step {step}"
     import torch
     import torch.distributed as dist
 
-    codes = {FRESH: 0, RESUME: 1, TORN: 2}
+    codes = {FRESH: 0, RESUME: 1, TORN: 2, FINISH: 3}
     mine = torch.tensor([codes[verdict], step], dtype=torch.int64)
     every = [torch.zeros(2, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(every, mine, group=group)
@@ -132,6 +208,20 @@ def agree(verdict: str, step: int, group: Any, world_size: int) -> tuple[str, st
     steps = {int(t[1]) for t in every}
     if kinds == {codes[FRESH]}:
         return FRESH, said
-    if kinds == {codes[RESUME]} and len(steps) == 1:
-        return RESUME, said
+    if kinds <= {codes[RESUME], codes[FINISH]} and len(steps) == 1:
+        return verdict, said  # each finishes its step or not, and all resume at the same one
     return TORN, said
+
+
+def daemon_lost(*, rank: int, step: int, tier: str, last_checkpoint: str | None, cause: BaseException) -> str:
+    """The message of a trainer whose daemon went away: what was lost, and what to do next."""
+    if last_checkpoint:
+        then = (f"then restart the job: it starts from its last checkpoint, {last_checkpoint} (the script's "
+                "engine.load_checkpoint loads it), and redoes the steps after it")
+    else:
+        then = ("then restart the job: it saved no checkpoint since it started, so it starts again from step 0 "
+                "(save checkpoints with engine.save_checkpoint to bound what a daemon crash costs)")
+    return (f"rank {rank}: the offload daemon was found gone at step {step} ({tier}: {cause}). The optimizer state it "
+            "held for this job is lost (the fp32 master weights, the Adam moments in its memory and swap, and the "
+            "per-step commit a restart resumes from): this job cannot resume from the daemon. Restart the daemon "
+            f"(offload daemon --config <node.toml>), {then}.")

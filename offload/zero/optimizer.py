@@ -185,17 +185,24 @@ class PartitionedAdam:
             self.step_count += 1
         return plan
 
-    def step_states(self, grad_multiplier: float, plan: StepPlan, skip: frozenset[int] = frozenset()) -> None:
+    def step_states(self, grad_multiplier: float, plan: StepPlan, skip: frozenset[int] = frozenset(),
+                    progress: Any = None) -> None:
         """Adam over every sub-group's state but ``skip``'s (NVMe I/O pipelined); the new low-precision
-        params go to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model)."""
+        params go to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model).
+        ``progress`` (``offload.resume.CommitRegion``, with ``skip`` a prefix): told as each Adam pass
+        starts and as each sub-group is stepped and marked dirty ([Note: restartable step])."""
         order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
         self.storage.prefetch(order)
         self._staging_free()
         for k, i in enumerate(order):
             state = self.storage.acquire(i)
             self.storage.prefetch(order[k + 1:])
+            if progress is not None:
+                progress.sub_group_started(i)
             self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan)
             self.storage.release(i, dirty=True)
+            if progress is not None:
+                progress.sub_group_done(i + 1)
 
     def step_sub_group(self, i: int, state: torch.Tensor, grad_multiplier: float, plan: StepPlan) -> None:
         """Adam over one sub-group's resident ``state`` (``offload.zero.overlap`` steps them one by one)."""

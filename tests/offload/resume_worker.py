@@ -2,8 +2,12 @@
 
 usage: resume_worker.py DEVICE WORKDIR STEPS
 Environment: FAULT=kill-forward|kill-step|sigterm-forward with FAULT_STEP and FAULT_RANK (first attempt
-only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start), OVERLAP=1
-(offload.overlap_step on).
+only), CKPT_EVERY=N (save a checkpoint every N steps, and load the latest at a fresh start; with
+LOAD_AT_START=1 at every start, as a DeepSpeed script does, noting the step it starts at in
+WORKDIR/started-rank<r>.txt), OVERLAP=1 (offload.overlap_step on). Kills inside
+the step that a restart finishes (issue 18): kill-after-sub-group (as the second sub-group is fetched),
+kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), kill-in-publish (every sub-group stepped,
+the params not yet gathered).
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
@@ -29,6 +33,30 @@ def read_losses(workdir, rank: int, steps: int) -> list[float]:
     return [out[s] for s in range(steps)]
 
 
+STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish")
+
+
+def _die_inside_the_step(engine, fault: str) -> None:
+    """SIGKILL this process at a moment of the next optimizer step ([Note: restartable step])."""
+    storage, adam = engine.adam.storage, engine.adam
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if fault == "kill-after-sub-group":
+        acquire = storage.acquire
+        storage.acquire = lambda sg: die() if sg == 1 else acquire(sg)
+    elif fault == "kill-in-evict":
+        done = engine.commit.sub_group_done
+
+        def recorded(n):
+            done(n)
+            die()  # the first sub-group's write-back was just queued: in flight in the daemon
+        engine.commit.sub_group_done = recorded
+    else:
+        adam.publish = die
+
+
 def main() -> int:
     device, workdir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     config = ckpt_worker.config(device, workdir, stage=int(os.environ.get("STAGE", "2")))
@@ -47,8 +75,11 @@ def main() -> int:
     rank, world = engine.global_rank, engine.world_size
     ckpt_dir = os.path.join(workdir, "ckpt")
     every = int(os.environ.get("CKPT_EVERY", "0"))
-    if engine.resumed_step is None and every and os.path.exists(os.path.join(ckpt_dir, "latest")):
+    deepspeed_shaped = bool(os.environ.get("LOAD_AT_START"))  # loads whenever a checkpoint exists
+    if (engine.resumed_step is None or deepspeed_shaped) and every and os.path.exists(os.path.join(ckpt_dir, "latest")):
         engine.load_checkpoint(ckpt_dir)
+        with open(os.path.join(workdir, f"started-rank{engine.global_rank}.txt"), "a") as f:
+            f.write(f"{engine.global_steps}\n")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not os.path.exists(
         os.path.join(workdir, f"faulted-rank{rank}"))
     fault = os.environ.get("FAULT", "") if first_attempt and rank == int(os.environ.get("FAULT_RANK", "0")) else ""
@@ -80,6 +111,8 @@ def main() -> int:
                             time.sleep(60)
                             backward_done()
                         engine.overlap.backward_done = held_open
+                if fault in STEP_FAULTS:
+                    _die_inside_the_step(engine, fault)
             x, y = data[step]
             x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
             loss = torch.nn.functional.mse_loss(engine(x), y)

@@ -22,6 +22,7 @@ Usage: python tools/bench/bench_step.py [--rounds 3] [--steps-per-round 3] [--ba
        [--seq 128] [--nvme-path DIR] [--nvme 4 4:nocrc] [--daemon-ranks N] [--out FILE]
        python tools/bench/bench_step.py --stage3 ...   (the stage 3 rows: tools/bench/step_stage3.py)
        python tools/bench/bench_step.py --gpu ...      (the GPU rows, ~1B bf16: tools/bench/step_gpu.py)
+       python tools/bench/bench_step.py --record ...   (the step record's cost, resume time: step_record.py)
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -155,12 +156,46 @@ def _fmt(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     return f"{statistics.median(values) * scale:.{digits}f} ({min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f})"
 
 
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The batch and the GPT's size (~100M by default)."""
+    for flag, default in (("batch", 2), ("seq", 128), ("vocab", 16384), ("dim", 768), ("layers", 12), ("heads", 12)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+
+
+def parse_step_args(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    args = ap.parse_args(argv)
+    if args.steps_per_round < 2:
+        ap.error("--steps-per-round must be >= 2 (the first step of each is not measured)")
+    return args
+
+
+def model_and_batches(args: argparse.Namespace) -> tuple[GPT, list[torch.Tensor]]:
+    """The bench's GPT (seed 0) and its 8 batches of token ids (seed 1)."""
+    torch.manual_seed(0)
+    base = GPT(args.vocab, args.seq, args.dim, args.layers, args.heads)
+    gen = torch.Generator().manual_seed(1)
+    return base, [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
+
+
+def rotating_rounds(contenders: list, rounds: int, steps_per_round: int, data: list):
+    """(round, contender, index of the step in its run, batch) in bench order: every contender runs
+    ``steps_per_round`` steps per round on the same batches, the order rotating from round to round."""
+    for r in range(rounds):
+        for c in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
+            for s in range(steps_per_round):
+                yield r, c, s, data[(r * steps_per_round + s) % len(data)]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--stage3" in argv:  # the stage-3 rows live in their own module
         import step_stage3
 
         return step_stage3.main([a for a in argv if a != "--stage3"])
+    if "--record" in argv:  # the restartable step's cost and resume time: tools/bench/step_record.py
+        import step_record
+
+        return step_record.main([a for a in argv if a != "--record"])
     if "--gpu" in argv:  # the GPU rows (bf16, ~1B): tools/bench/step_gpu.py
         import step_gpu
 
@@ -168,12 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=3, help="the first of them is not measured")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--heads", type=int, default=12)
+    model_arguments(ap)
     ap.add_argument("--nvme-path", default=None, help="directory for the swap file (default: a temporary one)")
     ap.add_argument("--nvme", nargs="*", default=["4", "4:nocrc"],
                     help="one nvme contender per spec: buffer_count, with :nocrc for no checksums")
@@ -182,15 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a contender: cpu with offload.overlap_step true (the step under backward)")
     ap.add_argument("--daemon-ranks", type=int, default=0,
                     help="add the ranks row (step_ranks.py): N ranks, nvme through one daemon vs embedded stores")
-    args = ap.parse_args(argv)
-    if args.steps_per_round < 2:
-        ap.error("--steps-per-round must be >= 2 (the first step of each is not measured)")
-
-    torch.manual_seed(0)
-    base = GPT(args.vocab, args.seq, args.dim, args.layers, args.heads)
+    args = parse_step_args(ap, argv)
+    base, data = model_and_batches(args)
     n_params = sum(p.numel() for p in base.parameters())
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
     tmp = tempfile.TemporaryDirectory(prefix="bench-step-", dir=args.nvme_path)
     contenders = [TorchContender(copy.deepcopy(base))]
     for device in ("none", "cpu"):

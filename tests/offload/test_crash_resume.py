@@ -1,0 +1,155 @@
+"""Issue 18: what survives a crash. A session that never committed a step is a fresh start (a
+real rank killed in its first forward, restarted by torchrun); a rank killed inside the optimizer
+step (after a sub-group, during an NVMe evict, before the gather; stages 1-3, cpu and nvme) is
+finished by its restart, bit-equal to a run never killed; the newest state wins when a
+DeepSpeed-shaped script loads its checkpoint after a resume from the daemon (``force=True``
+loads it anyway); a daemon that dies mid-training gets an error naming what was lost and the
+checkpoint to go back to."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from offload import DaemonNotRunningError, initialize
+from tests.daemon.conftest import STORE, start_daemon
+from tests.offload import ckpt_worker
+from tests.offload.test_resume import _final, _run, _same, daemon, reference  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
+
+
+def test_rank_killed_in_its_first_forward_starts_fresh(tmp_path, daemon, reference):  # noqa: F811
+    proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path,
+                FAULT="kill-forward", FAULT_STEP=0, FAULT_RANK=0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN" not in proc.stderr
+    assert "never committed a step" in proc.stderr  # the restart found the session and started fresh
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] is None
+    _same(reference, tmp_path, ranks=2)
+
+
+def test_deepspeed_shaped_script_keeps_the_resumed_state(tmp_path, daemon, reference):  # noqa: F811
+    """Killed in forward at step 15 with a checkpoint at step 10; the script loads it at every start."""
+    proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path, CKPT_EVERY=10, LOAD_AT_START=1,
+                FAULT="kill-forward", FAULT_STEP=15, FAULT_RANK=0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == 15
+        assert (tmp_path / f"started-rank{r}.txt").read_text().split() == ["15"]  # not 10: nothing rolled back
+    assert proc.stderr.count("kept the state resumed from the daemon (step 15) over checkpoint") == 2
+    _same(reference, tmp_path, ranks=2)
+
+
+def _engine(config):
+    net = ckpt_worker.model()
+    engine, _, _, _ = initialize(model=net, config=config)
+    return engine, net
+
+
+def _train(engine, data, start, stop):
+    for x, y in data[start:stop]:
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+
+
+def _params(net):
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.fixture
+def through_daemon(tmp_path, monkeypatch):
+    d = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                     sessions={"default_quota_bytes": 8 << 20, "reattach_grace_seconds": 60.0})
+    monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", d.socket_path)
+    config = ckpt_worker.config("cpu", str(tmp_path), stage=2)
+    config["offload"] = {"job_id": "crash-test"}
+    yield d, config
+    d.stop()
+
+
+def test_load_checkpoint_after_a_resume_keeps_the_newer_state(tmp_path, through_daemon, caplog):
+    _, config = through_daemon
+    data = ckpt_worker.batches(12)
+    ckpt = str(tmp_path / "ckpt")
+    first, net = _engine(config)
+    _train(first, data, 0, 10)
+    first.client_state["next_step"] = 10
+    first.save_checkpoint(ckpt)
+    at_ten = _params(net)
+    _train(first, data, 10, 12)
+    first.client_state["next_step"] = 12
+    _train(first, data, 12, 12)
+    first.commit.commit(first.global_steps, first.small_state())  # the data position with the state
+    at_twelve = _params(net)
+    first.close(keep_session=True)  # as a rank killed between steps leaves it
+
+    second, net = _engine(config)
+    assert second.resumed_step == 12
+    with caplog.at_level(logging.WARNING, logger="offload.engine"):
+        path, client = second.load_checkpoint(ckpt)  # the DeepSpeed way, at start-up
+    assert path.endswith("global_step10") and client == {"next_step": 12}
+    assert second.global_steps == 12
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), at_twelve))
+    kept = [r.getMessage() for r in caplog.records if "kept the state resumed" in r.getMessage()]
+    assert len(kept) == 1 and "(step 12)" in kept[0] and "(step 10, older)" in kept[0]
+
+    path, client = second.load_checkpoint(ckpt, force=True)
+    assert client == {"next_step": 10} and second.global_steps == 10
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), at_ten))
+    second.close()
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_daemon_death_names_what_was_lost_and_the_checkpoint(tmp_path, through_daemon, saved):
+    d, config = through_daemon
+    data = ckpt_worker.batches(6)
+    engine, _ = _engine(config)
+    _train(engine, data, 0, 4)
+    if saved:
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    d.proc.kill()  # SIGKILL: the daemon crashes
+    d.proc.wait(10)
+    with pytest.raises(DaemonNotRunningError) as err:
+        _train(engine, data, 4, 6)
+    message = str(err.value)
+    assert "found gone at step 5" in message and "is lost" in message and "Restart the daemon" in message
+    if saved:
+        assert str(tmp_path / "ckpt" / "global_step4") in message
+    else:
+        assert "starts again from step 0" in message
+    with pytest.raises(DaemonNotRunningError):
+        engine.close()
+
+
+_references: dict = {}
+
+
+def _reference(tmp_path_factory, stage):
+    """Two ranks, embedded stores, uninterrupted, at ``stage`` (one run per stage for the module)."""
+    if stage not in _references:
+        workdir = tmp_path_factory.mktemp(f"reference-stage{stage}")
+        proc = _run(workdir, "nvme", ranks=2, STAGE=stage)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _references[stage] = workdir
+    return _references[stage]
+
+
+@pytest.mark.parametrize("stage,device,fault", [
+    (2, "nvme", "kill-after-sub-group"), (2, "nvme", "kill-in-evict"), (2, "nvme", "kill-in-publish"),
+    (1, "cpu", "kill-after-sub-group"), (2, "cpu", "kill-in-publish"), (3, "nvme", "kill-after-sub-group"),
+])
+def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_factory, daemon,  # noqa: F811
+                                                         stage, device, fault):
+    ref = _reference(tmp_path_factory, stage)
+    proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage,
+                FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN" not in proc.stderr
+    assert "the step it was killed in finished from its committed inputs" in proc.stderr
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == 16
+    _same(ref, tmp_path, ranks=2)

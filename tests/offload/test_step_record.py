@@ -1,0 +1,59 @@
+"""The commit region's step record ([Note: restartable step] in offload.resume): which verdict a
+restart reads from each moment of a step, over a plain in-memory store (the region is the unit)."""
+from __future__ import annotations
+
+from csrc import ConfigError
+from offload.resume import FINISH, FRESH, RESUME, TORN, CommitRegion, inspect_session
+
+
+class _Store:
+    """The three calls CommitRegion makes of a tier store, over bytearrays."""
+
+    def __init__(self) -> None:
+        self.regions: dict[str, bytearray] = {}
+
+    def allocate(self, name: str, nbytes: int) -> None:
+        self.regions[name] = bytearray(nbytes)
+
+    def host_view(self, name: str) -> memoryview:
+        return memoryview(self.regions[name])
+
+    def info(self, name: str) -> None:
+        if name not in self.regions:
+            raise ConfigError(name)
+
+
+RECORD = {"small": {"global_steps": 3}, "step_count": 3, "hypers": {0: "h"}, "multiplier": 0.5}
+
+
+def _verdict(store):
+    verdict, step, payload, _ = inspect_session(store)
+    return verdict, step, payload
+
+
+def test_each_moment_of_a_step_reads_as_what_a_restart_can_do():
+    store = _Store()
+    assert _verdict(store)[0] == FRESH  # no region
+    region = CommitRegion(store, existing=False)
+    assert _verdict(store)[:2] == (FRESH, -1)  # made, never committed
+    region.begin_recorded_step(RECORD)
+    assert _verdict(store)[:2] == (FRESH, -1)  # the first step cut: still never committed
+    region.commit(3, {"last_checkpoint": "ckpt/global_step2"})
+    assert _verdict(store)[:2] == (RESUME, 3)
+
+    region.begin_recorded_step(RECORD)
+    verdict, step, payload = _verdict(store)
+    assert (verdict, step) == (FINISH, 4) and payload["step_record"] == (RECORD, 0)
+    region.sub_group_started(0)
+    assert _verdict(store)[0] == TORN  # inside a pass
+    region.sub_group_done(1)
+    region.sub_group_started(1)
+    region.sub_group_done(2)
+    verdict, step, payload = _verdict(store)
+    assert (verdict, step) == (FINISH, 4) and payload["step_record"] == (RECORD, 2)
+    assert payload["last_checkpoint"] == "ckpt/global_step2"  # the commit's small state beside it
+
+    region.commit(4, {"last_checkpoint": None})
+    assert _verdict(store)[:2] == (RESUME, 4)
+    region.begin_step()  # an overlapped step: no record, so the last step's must not be read as this one's
+    assert _verdict(store)[0] == TORN
