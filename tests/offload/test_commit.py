@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from offload.builder import initialize
-from offload.resume import FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
+from offload.resume import FINISH, FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
 from swap import TierStore
 from tests.offload.harness import engine_config, loss_fn, make_batches, param_groups, twin_models
 
@@ -66,7 +66,7 @@ def store():
 def test_a_new_region_holds_nothing_to_resume(store):
     CommitRegion(store, existing=False)
     verdict, step, payload, _ = inspect_session(store)
-    assert (verdict, step, payload) == (TORN, -1, None)  # created, never committed: not a step's state
+    assert (verdict, step, payload) == (FRESH, -1, None)  # created, never committed: a fresh start, not step 0
 
 
 def test_a_kill_between_begin_step_and_the_marker_reads_torn(store):
@@ -92,14 +92,17 @@ def test_a_kill_between_begin_step_and_the_marker_reads_torn(store):
         verdict, step, payload, _ = inspect_session(store)
         return verdict, step, payload
 
-    assert read_after([]) == (RESUME, 4, old)
-    assert read_after(writes) == (RESUME, 5, new)
-    for k in range(1, len(writes)):
-        assert read_after(writes[:k])[0] == TORN, f"killed after write {k} of {len(writes)}: {writes[k - 1][0]=}"
-    for k, (offset, data) in enumerate(writes):
-        if len(data) > 8:  # a long write cut in the middle
-            cut = writes[:k] + [(offset, data[:len(data) // 2])]
-            assert read_after(cut)[0] == TORN, f"killed inside write {k + 1} (offset {offset})"
+    whole = [(RESUME, 4, old), (RESUME, 5, new)]  # the only states a restart may resume as they are
+    assert read_after([]) == whole[0]
+    assert read_after(writes) == whole[1]
+    cuts = [(f"after write {k} of {len(writes)} (offset {writes[k - 1][0]})", writes[:k]) for k in range(1, len(writes))]
+    cuts += [(f"inside write {k + 1} (offset {offset})", writes[:k] + [(offset, data[:len(data) // 2])])
+             for k, (offset, data) in enumerate(writes) if len(data) > 8]
+    for where, prefix in cuts:
+        # torn, a step to finish from its record (issue 18), or step 4's state untouched: never a mix
+        verdict = read_after(prefix)
+        assert verdict[0] in (TORN, FINISH) or verdict == whole[0], f"killed {where}: {verdict[:2]}"
+    assert any(read_after(prefix)[0] != RESUME for _, prefix in cuts)
 
 
 def _agree_on_two_ranks(said: list[tuple[str, int]]) -> list[str]:
@@ -153,7 +156,8 @@ def test_a_kill_while_any_sub_group_is_written_reads_torn(mode, store):
     config = engine_config(stage=2, device="cpu", batch_size=8, offload=offload)
     engine, _, _, _ = initialize(model=model, config=config, model_parameters=param_groups(model))
     engine.commit = CommitRegion(store, existing=False)
-    seen: list[tuple[str, str]] = []  # (verdict, the thread that wrote the sub-group)
+    seen: list[tuple[str, str, int]] = []  # (verdict, the thread that wrote the sub-group, the step)
+    at = [0]
     early = threading.Event()
     step_sub_group = engine.adam._step_sub_group
 
@@ -162,7 +166,7 @@ def test_a_kill_while_any_sub_group_is_written_reads_torn(mode, store):
         if worker and mode == "delayed_update":
             time.sleep(0.2)
         step_sub_group(*args, **kwargs)
-        seen.append((inspect_session(store)[0], threading.current_thread().name))
+        seen.append((inspect_session(store)[0], threading.current_thread().name, at[0]))
         if worker:
             early.set()
 
@@ -180,9 +184,12 @@ def test_a_kill_while_any_sub_group_is_written_reads_torn(mode, store):
             engine.backward(loss_fn(engine(x), y))
             engine.step()
             assert inspect_session(store)[:2] == (RESUME, step + 1)
+            at[0] = step + 1
     finally:
         engine.close()
-    assert seen and all(verdict == TORN for verdict, _ in seen), seen
+    # before the first commit a restart starts fresh (nothing was committed: issue 18); after it, torn
+    assert seen and all(verdict == (FRESH if step == 0 else TORN) for verdict, _, step in seen), seen
+    assert any(step > 0 for _, _, step in seen)
     if mode == "overlap_step":
-        early_steps = [name for _, name in seen if name.startswith("offload-overlap")]
+        early_steps = [name for _, name, _ in seen if name.startswith("offload-overlap")]
         assert len(early_steps) >= 5, "every step should have stepped a sub-group under backward"
