@@ -1,0 +1,73 @@
+"""Tiny Hugging Face models for the engine's tests (built from configs here: nothing is downloaded), the
+configs and the plain-torch oracle. Importing this needs transformers: test modules importorskip it first."""
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+VOCAB = 97
+SEQ = 12
+BATCH = 4
+LR = 3e-3
+
+
+def gpt2_config() -> GPT2Config:
+    """GPT-2 (Conv1D layers, a head tied to the embedding), no dropout so runs compare step by step."""
+    return GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def llama_config() -> LlamaConfig:
+    """Llama (RMSNorm, rotary buffers, GQA: 4 heads over 2 key/value heads, an untied head)."""
+    return LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+BUILDERS = {"gpt2": (GPT2LMHeadModel, gpt2_config), "llama": (LlamaForCausalLM, llama_config)}
+
+
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    cls, config = BUILDERS[kind]
+    torch.manual_seed(seed)
+    return cls(config())
+
+
+def batches(steps: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(steps)]
+
+
+def engine_config(stage: int, device: str, workdir: str, **zero) -> dict:
+    """AdamW, clipping; the optimizer (and at stage 3 the params) offloaded to ``device`` (cpu or nvme)."""
+    where = {"device": device, **({"nvme_path": workdir} if device == "nvme" else {})}
+    section = {"stage": stage, "offload_optimizer": where, "sub_group_size": 4096, **zero}
+    if stage == 3:
+        section.update(offload_param=dict(where), stage3_param_persistence_threshold=100)
+    return {"train_batch_size": BATCH, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": section}
+
+
+def torch_losses(model: torch.nn.Module, data: list[torch.Tensor]) -> list[float]:
+    """The oracle: torch.optim.AdamW with the same clipping."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for ids in data:
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def engine_losses(engine, data: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for ids in data:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -1,0 +1,106 @@
+"""Hugging Face models under the engine, against plain torch: GPT-2 (Conv1D, tied head) and Llama (RMSNorm,
+rotary buffers, GQA) built under init_context get the weights of the plain build with the same seed without
+being held whole, and train as torch.optim.AdamW does at stages 2 and 3 with cpu and nvme offload, built
+plainly or under init_context, with gradient checkpointing at stage 3."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
+
+from offload import init_context, initialize  # noqa: E402
+from tests.offload import hf_models as hf  # noqa: E402
+
+STEPS = 8
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_init_context_gives_the_plain_build_weights_never_held_whole(tmp_path, kind):
+    """Every tensor of the state dict (tied head and rotary buffers included) equals the plain build's with
+    the same seed, and materializing held less than the whole model."""
+    config = hf.engine_config(3, "nvme", str(tmp_path))
+    ref = hf.build(kind)
+    cls, model_config = hf.BUILDERS[kind]
+    torch.manual_seed(0)
+    with init_context(config):
+        net = cls(model_config())
+    assert all(p.is_meta for p in net.parameters())
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        with engine.stage3.coordinator.gathered():
+            got = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        want = ref.state_dict()
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+        total = 4 * sum(p.numel() for p in net.parameters())
+        assert 0 < engine.stage3.materialize_peak_bytes < total
+    finally:
+        engine.close()
+
+
+def test_init_context_follows_the_seed():
+    """A different seed gives different weights (the replay draws, it does not copy a fixed tensor)."""
+    config = hf.engine_config(3, "cpu", "")
+    nets = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with init_context(config):
+            nets.append(hf.GPT2LMHeadModel(hf.gpt2_config()))
+    engines = [initialize(model=n, config=config)[0] for n in nets]
+    try:
+        with engines[0].stage3.coordinator.gathered(), engines[1].stage3.coordinator.gathered():
+            assert not torch.equal(nets[0].transformer.wte.weight, nets[1].transformer.wte.weight)
+    finally:
+        for e in engines:
+            e.close()
+
+
+@pytest.mark.parametrize("built", ["plain", "init_context"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_trains_as_torch(tmp_path, kind, stage, device, built):
+    """fp32 losses over 8 steps equal torch.optim.AdamW's (clipping on) to 1e-5 relative."""
+    if built == "init_context" and stage != 3:
+        pytest.skip("init_context is stage 3's")
+    data = hf.batches(STEPS)
+    ref_losses = hf.torch_losses(hf.build(kind), data)
+    config = hf.engine_config(stage, device, str(tmp_path))
+    if built == "plain":
+        net = hf.build(kind)
+    else:
+        cls, model_config = hf.BUILDERS[kind]
+        torch.manual_seed(0)
+        with init_context(config):
+            net = cls(model_config())
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        losses = hf.engine_losses(engine, data)
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_gradient_checkpointing_at_stage_3(tmp_path, kind, reentrant):
+    """model.gradient_checkpointing_enable() under stage 3, params on NVMe: every layer runs forward twice a
+    step (the recompute gathers its units again: v5 checkpoints a layer's forward, inside its hooks) and the losses stay torch's (run without checkpointing)."""
+    data = hf.batches(STEPS)
+    ref_losses = hf.torch_losses(hf.build(kind), data)
+    net = hf.build(kind)
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    net.train()
+    layers = net.transformer.h if kind == "gpt2" else net.model.layers
+    calls = []
+    layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the checkpointed forward
+    engine, _, _, _ = initialize(model=net, config=hf.engine_config(3, "nvme", str(tmp_path)))
+    try:
+        losses = hf.engine_losses(engine, data)
+    finally:
+        engine.close()
+    assert len(calls) == 2 * STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
