@@ -24,6 +24,7 @@ from offload.config import EngineConfig, OffloadDevice, read_config, resolve_dae
 from offload.engine import Engine, RankInfo
 from offload.hf_init import InitStep, plan_steps
 from offload.meta_init import init_fn_of, init_record_of
+from offload.pretrained import pending_load_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
 from offload.resume import FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
@@ -239,7 +240,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                              checksum=cfg.offload.checksum, dtype=dtype, device=ranks.device, rank=ranks.rank,
                              world_size=ranks.world_size, group=ranks.group, sub_group_numel=sub_group,
                              param_init_fn=init_fn_of(model), offload=cfg.offload,
-                             init_steps=init_steps if any(isinstance(s, InitStep) for s in init_steps or ()) else None)
+                             init_steps=init_steps if any(isinstance(s, InitStep) for s in init_steps or ()) else None,
+                             pretrained=pending_load_of(model))
         layout = parts.layout
         flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
         flat_grads = None  # nor a full gradient buffer: [Note: unit gradients]

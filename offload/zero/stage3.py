@@ -26,6 +26,7 @@ import torch.distributed as dist
 from csrc import ConfigError
 from offload import hf_init
 from offload.config import OffloadDevice, resolve_daemon_socket, resolve_job_id
+from offload.pretrained import PendingLoad, load_buffers, load_into_shards
 from offload.tiers import PAGE, Tier, TierPlan, open_tier
 from offload.zero.external import rebind
 from offload.zero.layout import FlatLayout, SubGroup
@@ -143,10 +144,11 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
                  zero, aio, checksum: bool, dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, sub_group_numel: int,
                  param_init_fn: Callable[[torch.nn.Module], None] | None = None, offload=None,
-                 init_steps: list | None = None) -> Stage3Parts:
+                 init_steps: list | None = None, pretrained: PendingLoad | None = None) -> Stage3Parts:
     """Lay out the units, open the shards' tier (the daemon's when ``offload``, the config's offload
     section, names one), put the params in their partitions, hook the modules. ``init_steps``
-    (``offload.hf_init.plan_steps``): the recorded init to replay instead of ``reset_parameters``."""
+    (``offload.hf_init.plan_steps``): the recorded init to replay instead of ``reset_parameters``;
+    ``pretrained`` (``offload.load_pretrained``): values read into the shards after the init."""
     plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold)
     params = [p for g in groups for p in g]
     layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
@@ -172,9 +174,15 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
                                                            max_reuse_distance_numel=zero.stage3_max_reuse_distance),
                                        group=group, world_size=world_size, fetcher=fetcher)
         if init_steps is not None and all(s is None for s in sources):
-            peak = _replay_init(model, layout, shards, coordinator, params, names, init_steps)
+            loaded = set(pretrained.params) if pretrained is not None else set()
+            peak = _replay_init(model, layout, shards, coordinator, params, names, init_steps, loaded)
         else:
             peak = _materialize(model, layout, plan, shards, coordinator, params, sources, param_init_fn)
+        if pretrained is not None:
+            load_buffers(model, pretrained)
+            read = load_into_shards(pretrained, layout, shards)
+            logger.info("rank %d: loaded %d tensors into the shards, %d bytes read at most at once", rank,
+                        len(pretrained.params), read)
         del sources
         coordinator.after_step()  # nothing recorded yet: only gathers the persistent units
     except BaseException:
@@ -227,11 +235,12 @@ def _materialize(model, layout: FlatLayout, plan: UnitPlan, shards: ShardStore, 
 
 
 def _replay_init(model, layout: FlatLayout, shards: ShardStore, coordinator: ParamCoordinator,
-                 params: Sequence[torch.nn.Parameter], names: dict[int, str], steps: list) -> int:
+                 params: Sequence[torch.nn.Parameter], names: dict[int, str], steps: list,
+                 loaded: set[str]) -> int:
     """[Note: init replay]: the recorded draws and init steps, each unit gathered from its first write to
     its last. Returns the peak bytes held."""
     unit_of = {names[id(params[i])]: b.index for b in layout.buckets for i in b.slots}
-    hf_init.check_written(steps, set(unit_of))
+    hf_init.check_written(steps, set(unit_of) - loaded)
     last: dict[int, int] = {}
     for k, step in enumerate(steps):
         for name in _real_writes(step, unit_of):

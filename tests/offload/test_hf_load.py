@@ -1,0 +1,165 @@
+"""offload.load_pretrained: safetensors written by transformers' own save_pretrained (one file, or sharded with
+its index) read into stage 3's shards (cpu, nvme) or a plain model, cast to the compute dtype, ties kept,
+missing and unexpected keys reported; the loaded model trains as torch does from the same weights."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
+safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (pip install .[hf])")
+
+from offload import ConfigError, init_context, initialize, load_pretrained  # noqa: E402
+from tests.offload import hf_models as hf  # noqa: E402
+
+
+def _saved(kind: str, where, sharded: bool) -> torch.nn.Module:
+    src = hf.build(kind, seed=5)
+    src.save_pretrained(where, max_shard_size="20KB" if sharded else "1GB")
+    assert (where / "model.safetensors.index.json").exists() == sharded
+    return src
+
+
+def _meta(kind: str, config: dict) -> torch.nn.Module:
+    cls, model_config = hf.BUILDERS[kind]
+    torch.manual_seed(0)
+    with init_context(config):
+        return cls(model_config())
+
+
+def _gathered_state(engine, net) -> dict[str, torch.Tensor]:
+    with engine.stage3.coordinator.gathered():
+        return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_loads_into_stage3_shards_and_trains_as_torch(tmp_path, kind, sharded, device):
+    src = _saved(kind, tmp_path / "ckpt", sharded)
+    config = hf.engine_config(3, device, str(tmp_path))
+    net = _meta(kind, config)
+    report = load_pretrained(net, tmp_path / "ckpt")
+    assert report.missing_keys == () and report.unexpected_keys == ()
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        got = _gathered_state(engine, net)
+        for key, value in src.state_dict().items():
+            assert torch.equal(got[key], value), key
+        if kind == "gpt2":
+            assert net.lm_head.weight is net.transformer.wte.weight
+        data = hf.batches(4)
+        losses = hf.engine_losses(engine, data)
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(hf.torch_losses(src, data)), rtol=1e-5, atol=0)
+
+
+def test_two_rank_pieces_cover_each_tensor(tmp_path):
+    """Each rank reads only its piece of every unit: the two ranks' shards put together are the checkpoint."""
+    from offload.pretrained import SafetensorsCheckpoint, PendingLoad, load_into_shards
+    from offload.zero.layout import FlatLayout
+
+    src = _saved("llama", tmp_path / "ckpt", True)
+    ckpt = SafetensorsCheckpoint(tmp_path / "ckpt")
+    named = list(src.named_parameters())
+    flats = []
+    for rank in (0, 1):
+        layout = FlatLayout([(n, tuple(p.shape), 0) for n, p in named], world_size=2, rank=rank,
+                            bucket_numel=3000, sub_group_numel=4096)
+        parts = {b.index: torch.full((b.shard_numel,), float("nan")) for b in layout.buckets}
+
+        class Shards:
+            def acquire(self, u):
+                return parts[u]
+
+            def release(self, u, *, dirty):
+                assert dirty
+
+        load_into_shards(PendingLoad(ckpt, {n: n for n, _ in named}, {}), layout, Shards())
+        flats.append((layout, parts))
+    layout = flats[0][0]
+    for b in layout.buckets:
+        whole = torch.cat([flats[0][1][b.index], flats[1][1][b.index]])
+        for i in b.slots:
+            slot = layout.slots[i]
+            got = whole[slot.offset - b.start:slot.offset - b.start + slot.numel].view(slot.shape)
+            assert torch.equal(got, src.get_parameter(slot.name).detach()), slot.name
+
+
+def test_bf16_engine_gets_the_weights_cast(tmp_path):
+    src = _saved("llama", tmp_path / "ckpt", True)
+    config = {**hf.engine_config(3, "cpu", str(tmp_path)), "bf16": {"enabled": True}}
+    net = _meta("llama", config)
+    load_pretrained(net, tmp_path / "ckpt")
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        got = _gathered_state(engine, net)
+    finally:
+        engine.close()
+    for name, p in src.named_parameters():
+        assert got[name].dtype == torch.bfloat16
+        assert torch.equal(got[name], p.detach().to(torch.bfloat16)), name
+
+
+def test_missing_and_unexpected_keys_are_reported(tmp_path):
+    """A file without the final norm and with an extra tensor: both reported; the norm keeps the model's init
+    (the plain build's with the same seed), every other tensor is the file's."""
+    src = hf.build("llama", seed=5)
+    state = {k: v.detach().clone() for k, v in src.state_dict().items() if k != "model.norm.weight"}
+    state["extra.weight"] = torch.ones(3)
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    config = hf.engine_config(3, "cpu", str(tmp_path))
+    net = _meta("llama", config)
+    report = load_pretrained(net, tmp_path)
+    assert report.missing_keys == ("model.norm.weight",)
+    assert report.unexpected_keys == ("extra.weight",)
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        got = _gathered_state(engine, net)
+    finally:
+        engine.close()
+    plain = hf.build("llama", seed=0)
+    assert torch.equal(got["model.norm.weight"], plain.model.norm.weight.detach())
+    for key, value in state.items():
+        if key != "extra.weight":
+            assert torch.equal(got[key], value), key
+
+
+def test_plain_model_loads_at_once(tmp_path):
+    src = _saved("gpt2", tmp_path, False)
+    net = hf.build("gpt2", seed=0)
+    load_pretrained(net, tmp_path / "model.safetensors")
+    for key, value in src.state_dict().items():
+        assert torch.equal(net.state_dict()[key], value), key
+
+
+def test_bad_checkpoints_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="neither model.safetensors.index.json nor model.safetensors"):
+        load_pretrained(hf.build("gpt2"), tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ConfigError, match="no \"weight_map\""):
+        load_pretrained(hf.build("gpt2"), tmp_path)
+    other = hf.build("llama")
+    state = {k: v.detach().clone() for k, v in other.state_dict().items()}
+    state["model.norm.weight"] = torch.ones(7)
+    safetensors_torch.save_file(state, str(tmp_path / "x.safetensors"))
+    with pytest.raises(ConfigError, match=r"model.norm.weight: the checkpoint's shape is \[7\], the model's \[32\]"):
+        load_pretrained(other, tmp_path / "x.safetensors")
+    (tmp_path / "y.safetensors").write_bytes(b"\x04")
+    with pytest.raises(ConfigError, match="not a safetensors file"):
+        load_pretrained(other, tmp_path / "y.safetensors")
+
+
+def test_a_partitioned_model_is_refused(tmp_path):
+    src = _saved("gpt2", tmp_path, False)
+    net = hf.build("gpt2")
+    engine, _, _, _ = initialize(model=net, config=hf.engine_config(3, "cpu", str(tmp_path)))
+    try:
+        with pytest.raises(ConfigError, match="before offload.initialize"):
+            load_pretrained(net, tmp_path)
+    finally:
+        engine.close()
+    del src
