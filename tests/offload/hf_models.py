@@ -3,7 +3,7 @@ configs and the plain-torch oracle. Importing this needs transformers: test modu
 from __future__ import annotations
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 VOCAB = 97
 SEQ = 12
@@ -24,7 +24,16 @@ def llama_config() -> LlamaConfig:
                        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
-BUILDERS = {"gpt2": (GPT2LMHeadModel, gpt2_config), "llama": (LlamaForCausalLM, llama_config)}
+def mixtral_config() -> MixtralConfig:
+    """Mixtral (4 experts, 1 per token: most experts see few or no tokens in a step; no aux loss)."""
+    return MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=1, vocab_size=VOCAB,
+                         max_position_embeddings=SEQ, router_aux_loss_coef=0.0, bos_token_id=0, eos_token_id=0,
+                         pad_token_id=0)
+
+
+BUILDERS = {"gpt2": (GPT2LMHeadModel, gpt2_config), "llama": (LlamaForCausalLM, llama_config),
+            "mixtral": (MixtralForCausalLM, mixtral_config)}
 
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
