@@ -154,7 +154,8 @@ class _Writes(TorchFunctionMode):
         first = _first(args, kwargs or {})[0]
         name = self.alias.get(id(first)) if isinstance(first, torch.Tensor) else None
         if name is not None:
-            if getattr(func, "__name__", "").endswith("_") and name not in self.written:
+            fname = getattr(func, "__name__", "")
+            if fname.endswith("_") and not fname.startswith("__") and name not in self.written:  # in place
                 self.written.append(name)
             elif isinstance(out, torch.Tensor) and out is not first:
                 self.alias[id(out)] = name  # a view of it: writes to the view write the parameter

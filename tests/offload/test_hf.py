@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
 
-from offload import init_context, initialize  # noqa: E402
+from offload import ConfigError, init_context, initialize  # noqa: E402
 from tests.offload import hf_models as hf  # noqa: E402
 
 STEPS = 8
@@ -128,3 +128,59 @@ def test_generate_at_stage_3(tmp_path, kind):
         engine.close()
     assert torch.equal(got, want)
     assert len(losses) == 1
+
+
+def _custom_model_classes():
+    """A PreTrainedModel whose _init_weights writes through `.data` views and, with `scale`, has a parameter
+    that no _init_weights sets (its value comes only from its constructor)."""
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Config(PretrainedConfig):
+        model_type = "offload-test"
+
+        def __init__(self, scale: bool = False, **kwargs):
+            self.scale = scale
+            super().__init__(**kwargs)
+
+    class Net(PreTrainedModel):
+        config_class = Config
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.inner = torch.nn.Linear(8, 8)
+            self.outer = torch.nn.Linear(8, 8)
+            if config.scale:
+                self.scale = torch.nn.Parameter(torch.randn(8))
+            self.post_init()
+
+        def _init_weights(self, module):
+            if isinstance(module, torch.nn.Linear):
+                module.weight.data.normal_(0.0, 0.5)  # old-style: through .data
+                module.bias.data[:4].fill_(1.0)  # a view of a view
+                module.bias.data[4:].zero_()
+
+        def forward(self, x):
+            return self.outer(self.inner(x))
+
+    return Config, Net
+
+
+def test_init_replay_follows_views_and_names_what_it_cannot_set():
+    Config, Net = _custom_model_classes()
+    config = hf.engine_config(3, "cpu", "")
+    torch.manual_seed(3)
+    ref = Net(Config())
+    torch.manual_seed(3)
+    with init_context(config):
+        net = Net(Config())
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        with engine.stage3.coordinator.gathered():
+            for key, value in ref.state_dict().items():
+                assert torch.equal(net.state_dict()[key], value), key
+    finally:
+        engine.close()
+    with init_context(config):
+        odd = Net(Config(scale=True))
+    with pytest.raises(ConfigError, match=r"stage 3 cannot initialize scale: the model's _init_weights does not"):
+        initialize(model=odd, config=config)
