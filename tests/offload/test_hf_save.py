@@ -116,3 +116,16 @@ def test_consolidate_safetensors_from_the_save_dir(tmp_path, kind):
     assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "safetensors",
                  "--max-shard-size-bytes", str(CAP)]) == 0
     _assert_loads_with_logits(tmp_path / "hf", logits, ids)
+
+
+def test_estimate_reads_an_hf_config(tmp_path, capsys):
+    """`offload estimate --hf-config DIR/config.json` counts the parameters of the model that config builds
+    (the plain build's, ties counted once); a path that is no config.json is named."""
+    src = hf.build("llama")
+    src.config.save_pretrained(tmp_path)
+    assert main(["estimate", "--hf-config", str(tmp_path / "config.json"), "--no-baseline", "--stage", "3"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(f"{sum(p.numel() for p in src.parameters()):,} parameters")
+    assert main(["estimate", "--hf-config", str(tmp_path), "--json", "--no-baseline", "--stage", "3"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 9
+    assert main(["estimate", "--hf-config", str(tmp_path / "nope.json")]) == 2
+    assert "--hf-config takes a config.json" in capsys.readouterr().err
