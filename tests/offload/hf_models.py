@@ -2,6 +2,8 @@
 configs and the plain-torch oracle. Importing this needs transformers: test modules importorskip it first."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
@@ -78,5 +80,27 @@ def engine_losses(engine, data: list[torch.Tensor]) -> list[float]:
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def torch_mixed_losses(model: torch.nn.Module, data: list[torch.Tensor], dtype: torch.dtype) -> list[float]:
+    """The mixed-precision oracle (as ``harness.run_mixed``): a ``dtype`` copy computes forward and backward,
+    AdamW steps fp32 masters on the clipped fp32 gradients, the masters are rounded back."""
+    master = copy.deepcopy(model).float()
+    low = copy.deepcopy(model).to(dtype)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for ids in data:
+        low.zero_grad(set_to_none=True)
+        loss = low(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.grad = q.grad.float()
+        torch.nn.utils.clip_grad_norm_(master.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for p, q in zip(master.parameters(), low.parameters()):
+                q.copy_(p)
         losses.append(loss.item())
     return losses

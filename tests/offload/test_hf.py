@@ -184,3 +184,23 @@ def test_init_replay_follows_views_and_names_what_it_cannot_set():
         odd = Net(Config(scale=True))
     with pytest.raises(ConfigError, match=r"stage 3 cannot initialize scale: the model's _init_weights does not"):
         initialize(model=odd, config=config)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_bf16_trains_as_the_mixed_precision_oracle(tmp_path, kind, device):
+    """bf16 at stage 3 under init_context: every step's loss within 2^-5 relative of plain torch's bf16 compute
+    with fp32 AdamW masters ([Note: low-precision tolerance] in tests/offload/test_precision.py)."""
+    data = hf.batches(STEPS)
+    ref_losses = hf.torch_mixed_losses(hf.build(kind), data, torch.bfloat16)
+    config = {**hf.engine_config(3, device, str(tmp_path)), "bf16": {"enabled": True}}
+    cls, model_config = hf.BUILDERS[kind]
+    torch.manual_seed(0)
+    with init_context(config):
+        net = cls(model_config())
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        losses = hf.engine_losses(engine, data)
+    finally:
+        engine.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2.0 ** -5, atol=0)
