@@ -131,9 +131,14 @@ def recording(events: list) -> Iterator[None]:
 
 
 def _pretrained_class():
-    """transformers' ``PreTrainedModel`` if transformers is imported (it is never imported here)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return getattr(modeling, "PreTrainedModel", None)
+    """transformers' ``PreTrainedModel`` if the caller imported transformers (this module never imports it
+    first). Its modules load lazily (``AutoModelForCausalLM`` loads ``modeling_utils`` on first use, inside
+    the context), so ``modeling_utils`` is loaded here once transformers is."""
+    if "transformers" not in sys.modules:
+        return None
+    import importlib
+
+    return importlib.import_module("transformers.modeling_utils").PreTrainedModel
 
 
 def _guard():

@@ -104,3 +104,13 @@ def torch_mixed_losses(model: torch.nn.Module, data: list[torch.Tensor], dtype: 
                 q.copy_(p)
         losses.append(loss.item())
     return losses
+
+
+def build_meta(kind: str, config: dict, seed: int = 0) -> torch.nn.Module:
+    """``kind`` built under ``offload.init_context(config)`` after seeding as ``build`` does."""
+    from offload import init_context
+
+    cls, model_config = BUILDERS[kind]
+    torch.manual_seed(seed)
+    with init_context(config):
+        return cls(model_config())

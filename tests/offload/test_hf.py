@@ -21,10 +21,7 @@ def test_init_context_gives_the_plain_build_weights_never_held_whole(tmp_path, k
     the same seed, and materializing held less than the whole model."""
     config = hf.engine_config(3, "nvme", str(tmp_path))
     ref = hf.build(kind)
-    cls, model_config = hf.BUILDERS[kind]
-    torch.manual_seed(0)
-    with init_context(config):
-        net = cls(model_config())
+    net = hf.build_meta(kind, config)
     assert all(p.is_meta for p in net.parameters())
     engine, _, _, _ = initialize(model=net, config=config)
     try:
@@ -69,13 +66,7 @@ def test_trains_as_torch(tmp_path, kind, stage, device, built):
     data = hf.batches(STEPS)
     ref_losses = hf.torch_losses(hf.build(kind), data)
     config = hf.engine_config(stage, device, str(tmp_path))
-    if built == "plain":
-        net = hf.build(kind)
-    else:
-        cls, model_config = hf.BUILDERS[kind]
-        torch.manual_seed(0)
-        with init_context(config):
-            net = cls(model_config())
+    net = hf.build(kind) if built == "plain" else hf.build_meta(kind, config)
     engine, _, _, _ = initialize(model=net, config=config)
     try:
         losses = hf.engine_losses(engine, data)
@@ -194,10 +185,7 @@ def test_bf16_trains_as_the_mixed_precision_oracle(tmp_path, kind, device):
     data = hf.batches(STEPS)
     ref_losses = hf.torch_mixed_losses(hf.build(kind), data, torch.bfloat16)
     config = {**hf.engine_config(3, device, str(tmp_path)), "bf16": {"enabled": True}}
-    cls, model_config = hf.BUILDERS[kind]
-    torch.manual_seed(0)
-    with init_context(config):
-        net = cls(model_config())
+    net = hf.build_meta(kind, config)
     engine, _, _, _ = initialize(model=net, config=config)
     try:
         losses = hf.engine_losses(engine, data)

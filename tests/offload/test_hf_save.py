@@ -14,7 +14,7 @@ pytest.importorskip("safetensors", reason="safetensors is not installed (pip ins
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from offload import init_context, initialize  # noqa: E402
+from offload import initialize  # noqa: E402
 from offload.cli import main  # noqa: E402
 from tests.offload import hf_models as hf  # noqa: E402
 
@@ -51,12 +51,7 @@ def test_save_16bit_model_loads_with_from_pretrained(tmp_path, kind, stage, devi
     (No unit is kept gathered between uses, so what the save gathers shows.)"""
     config = hf.engine_config(stage, device, str(tmp_path),
                               **({"stage3_max_reuse_distance": 0} if stage == 3 else {}))
-    if built == "plain":
-        net = hf.build(kind)
-    else:
-        cls, model_config = hf.BUILDERS[kind]
-        with init_context(config):
-            net = cls(model_config())
+    net = hf.build(kind) if built == "plain" else hf.build_meta(kind, config)
     engine, _, _, _ = initialize(model=net, config=config)
     ids = hf.batches(1, seed=9)[0]
     try:
