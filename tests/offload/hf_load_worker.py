@@ -13,15 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from offload import init_context, initialize, load_pretrained
+from offload.host_heap import peak_resident_bytes, reset_peak_resident
 from offload.zero import stage3
-
-
-def status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def main() -> None:
@@ -37,11 +30,9 @@ def main() -> None:
     read = stage3.load_into_shards
 
     def measured(*args, **kwargs):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        before = status_bytes("VmRSS")
+        before = reset_peak_resident()
         out = read(*args, **kwargs)
-        growth.append(status_bytes("VmHWM") - before)
+        growth.append(peak_resident_bytes() - before)
         return out
 
     stage3.load_into_shards = measured

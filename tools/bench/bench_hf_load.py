@@ -8,8 +8,8 @@ the saved directory loaded by transformers alone. Each phase in its own process,
 (``--layers 22 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4`` is TinyLlama's ~1.1B shape;
 ``--layers 26 --hidden 2560 --intermediate 6912 --heads 20 --kv-heads 4`` ~2B.)
 
-Reported, with VmHWM reset at each phase's start: the engine's peak RSS growth while it reads the checkpoint
-into its shards and over its whole initialize, its resident RSS after initialize (the heap trimmed), the
+Reported, with VmHWM reset at each measure's start: the engine's peak RSS growth while it reads the checkpoint
+into its shards, its RSS before initialize and after it (the heap trimmed: the engine's resident state), the
 peer's (``AutoModelForCausalLM.from_pretrained`` of the same directory) peak RSS growth, the ratio ours /
 peer, the seconds of each phase, and the largest logit difference between the engine's model and
 ``from_pretrained`` of what it saved (same bf16 weights; compute paths differ by rounding).
@@ -28,19 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 MIB = 1 << 20
 
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
+from offload.host_heap import peak_resident_bytes, reset_peak_resident, resident_bytes  # noqa: E402
 
 
 def _model_config(a):
@@ -91,20 +79,19 @@ def phase_engine(a) -> dict:
     out: dict = {"missing_keys": len(report.missing_keys)}
 
     def measured(*args, **kwargs):
-        before = _reset_peak()
+        before = reset_peak_resident()
         t = time.perf_counter()
         result = read(*args, **kwargs)
-        out.update(read_s=time.perf_counter() - t, read_peak_growth=_status("VmHWM") - before)
+        out.update(read_s=time.perf_counter() - t, read_peak_growth=peak_resident_bytes() - before)
         return result
 
     stage3.load_into_shards = measured
-    before = _reset_peak()
+    before = reset_peak_resident()
     t0 = time.perf_counter()
     engine, _, _, _ = initialize(model=model, config=config)
     out["init_s"] = time.perf_counter() - t0
-    peak = _status("VmHWM")  # read before the trim below; the read's own peak reset it, so take the max
     release_free_heap()
-    out.update(init_rss_before=before, resident_after_init=_status("VmRSS"), init_peak=peak)
+    out.update(init_rss_before=before, resident_after_init=resident_bytes())
     ids = _batch(a)
     t0 = time.perf_counter()
     losses = []
@@ -132,10 +119,10 @@ def phase_peer(a) -> dict:
     from transformers.models.llama import modeling_llama  # noqa: F401  (its import is not the load)
 
     torch.set_num_threads(os.cpu_count() or 1)
-    before = _reset_peak()
+    before = reset_peak_resident()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(os.path.join(a.workdir, "src"), dtype=torch.bfloat16)
-    out = {"peer_load_s": time.perf_counter() - t0, "peer_peak_growth": _status("VmHWM") - before}
+    out = {"peer_load_s": time.perf_counter() - t0, "peer_peak_growth": peak_resident_bytes() - before}
     del model
     saved = AutoModelForCausalLM.from_pretrained(os.path.join(a.workdir, "out"), dtype=torch.bfloat16).eval()
     with torch.no_grad():
