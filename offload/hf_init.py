@@ -134,7 +134,7 @@ def _pretrained_class():
     """transformers' ``PreTrainedModel`` if the caller imported transformers (this module never imports it
     first). Its modules load lazily (``AutoModelForCausalLM`` loads ``modeling_utils`` on first use, inside
     the context), so ``modeling_utils`` is loaded here once transformers is."""
-    if "transformers" not in sys.modules:
+    if sys.modules.get("transformers") is None:  # not imported (or blocked)
         return None
     import importlib
 
