@@ -155,10 +155,11 @@ def main() -> None:
         print(json.dumps({"save": phase_save, "engine": phase_engine, "peer": phase_peer}[a.phase](a)))
         return
     os.makedirs(a.workdir, exist_ok=True)
-    argv = [arg for arg in sys.argv[1:] if not arg.startswith("--out")]
+    argv = list(sys.argv[1:])
     if "--out" in argv:
         i = argv.index("--out")
         del argv[i:i + 2]
+    argv = [arg for arg in argv if not arg.startswith("--out=")]
     r = {**_run("save", argv), **_run("engine", argv), **_run("peer", argv)}
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
