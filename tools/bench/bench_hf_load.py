@@ -3,7 +3,7 @@ built under init_context, loaded into stage 3 with params and optimizer on NVMe,
 the saved directory loaded by transformers alone. Each phase in its own process, in the same run.
 
     .venv/bin/python tools/bench/bench_hf_load.py [--layers 8] [--hidden 1024] [--intermediate 2816]
-        [--vocab 32000] [--heads 8] [--kv-heads 4] [--shard-mib 256] [--workdir DIR] [--out FILE]
+        [--vocab 32000] [--heads 8] [--kv-heads 4] [--shard-mib 256] [--rounds 3] [--workdir DIR] [--out FILE]
 
 (``--layers 22 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4`` is TinyLlama's ~1.1B shape;
 ``--layers 26 --hidden 2560 --intermediate 6912 --heads 20 --kv-heads 4`` ~2B.)
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -151,6 +152,7 @@ def main() -> None:
     for name, default in (("layers", 8), ("hidden", 1024), ("intermediate", 2816), ("vocab", 32000), ("heads", 8),
                           ("kv-heads", 4), ("shard-mib", 256)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--rounds", type=int, default=3, help="engine and peer runs (medians reported)")
     p.add_argument("--workdir", default="/tmp/ofl-bench-hf")
     p.add_argument("--out", help="append the markdown result here")
     p.add_argument("--phase", choices=("save", "engine", "peer"), help=argparse.SUPPRESS)
@@ -164,12 +166,15 @@ def main() -> None:
         i = argv.index("--out")
         del argv[i:i + 2]
     argv = [arg for arg in argv if not arg.startswith("--out=")]
-    r = {**_run("save", argv), **_run("engine", argv), **_run("peer", argv)}
+    saved = _run("save", argv)
+    runs = [{**_run("engine", argv), **_run("peer", argv)} for _ in range(a.rounds)]
+    r = {**saved, **{k: statistics.median(run[k] for run in runs) if isinstance(runs[0][k], (int, float)) else
+                     runs[0][k] for k in runs[0]}}
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     lines = [
         f"### Llama {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}: {r['params'] / 1e6:.0f}M parameters, "
-        f"bf16 safetensors in {a.shard_mib} MiB files (load {load})",
+        f"bf16 safetensors in {a.shard_mib} MiB files; medians of {a.rounds} rounds (load average at the end {load})",
         "",
         "| figure | value |",
         "| --- | --- |",
