@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="safetensors is not installed (pip install .[hf])")
 
-from offload import ConfigError, init_context, initialize, load_pretrained  # noqa: E402
+from offload import ConfigError, initialize, load_pretrained  # noqa: E402
 from tests.offload import hf_models as hf  # noqa: E402
 
 
