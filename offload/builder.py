@@ -22,7 +22,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from csrc import ConfigError, StateTornError
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
 from offload.engine import Engine, RankInfo
-from offload.meta_init import init_fn_of
+from offload.hf_init import InitStep, plan_steps
+from offload.meta_init import init_fn_of, init_record_of
+from offload.pretrained import pending_load_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
 from offload.resume import FINISH, FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
@@ -230,6 +232,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
     dtype = _compute_dtype(cfg)
     stage3 = zero.stage == 3
+    record = init_record_of(model) if stage3 and init_fn_of(model) is None else None
+    init_steps = plan_steps(model, record) if record is not None else None  # on the meta params, before they go
     meta = stage3 and replace_meta_params(model, dtype, ranks.device)  # built under offload.init_context
     groups = _param_groups(model, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -250,7 +254,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         parts = build_stage3(model, [g["params"] for g in groups], names, zero=zero, aio=cfg.aio,
                              checksum=cfg.offload.checksum, dtype=dtype, device=ranks.device, rank=ranks.rank,
                              world_size=ranks.world_size, group=ranks.group, sub_group_numel=sub_group,
-                             param_init_fn=init_fn_of(model), offload=cfg.offload)
+                             param_init_fn=init_fn_of(model), offload=cfg.offload,
+                             init_steps=init_steps if any(isinstance(s, InitStep) for s in init_steps or ()) else None,
+                             pretrained=pending_load_of(model))
         layout = parts.layout
         flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
         flat_grads = None  # nor a full gradient buffer: [Note: unit gradients]

@@ -35,12 +35,14 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from csrc import ConfigError
-from offload.checkpoint_tags import METADATA, failed_save, prune, resolve_path, write_latest
+from offload.checkpoint_tags import LATEST, METADATA, failed_save, prune, resolve_path, write_latest
 from offload.rng import rng_state, set_rng_state
+from offload.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["checkpoint_step", "consolidate", "load_checkpoint", "resolve_path", "save_checkpoint"]
+__all__ = ["checkpoint_path", "checkpoint_step", "consolidate", "consolidate_safetensors", "load_checkpoint",
+           "resolve_path", "save_checkpoint"]
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # their places in a sub-group's state block
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for saves and loads at least this large
@@ -238,7 +240,8 @@ def _engine_meta(engine) -> dict[str, Any]:
     del meta["rng"], meta["client_state"]  # per rank, and the caller's: entries of their own
     meta.update(params=[(s.name, s.shape) for s in engine.layout.slots],
                 module_keys=list(engine.module.state_dict().keys()), world_size=engine.world_size,
-                stage=engine.config.zero.stage, dtype=str(engine.compute_dtype), aliases=_aliases(engine))
+                stage=engine.config.zero.stage, dtype=str(engine.compute_dtype), aliases=_aliases(engine),
+                model_config=model_config_json(engine.module))
     return meta
 
 
@@ -351,39 +354,91 @@ def checkpoint_step(path: str) -> int:
     return int(pickle.loads(state["engine"])["global_steps"])
 
 
+def checkpoint_path(checkpoint: str) -> str:
+    """``checkpoint`` itself, or the tag its ``latest`` file names when it is the save directory."""
+    latest = os.path.join(checkpoint, LATEST)
+    if os.path.isfile(latest) and not os.path.isfile(os.path.join(checkpoint, ".metadata")):
+        with open(latest) as f:
+            return os.path.join(checkpoint, f.read().strip())
+    return checkpoint
+
+
+class _Saved:
+    """What ``consolidate`` reads: the fp32 weights of a checkpoint, key by key."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.path = checkpoint_path(checkpoint)
+        try:
+            self.metadata = dcp.FileSystemReader(self.path).read_metadata()
+        except FileNotFoundError:
+            raise ConfigError(f"{checkpoint} is not a checkpoint (no DCP metadata there, nor a 'latest' file "
+                              "naming one)") from None
+        holder = {"engine": b""}
+        with _quiet_single_process():
+            dcp.load(holder, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        self.meta = pickle.loads(holder["engine"])
+        self.shapes = dict(self.meta["params"])
+        self.aliases = self.meta.get("aliases", {})  # tied params: one optimizer entry, every name gets its master
+
+    def entry(self, key: str) -> tuple[str, torch.Tensor]:
+        """(the checkpoint entry holding ``key``'s fp32 value, an empty tensor to load it into)."""
+        name = self.aliases.get(key, key)
+        if name in self.shapes:
+            numel = 1
+            for d in self.shapes[name]:
+                numel *= d
+            return f"optim.{name}.master", torch.empty(numel, dtype=torch.float32)
+        md = self.metadata.state_dict_metadata[f"module.{key}"]
+        return f"module.{key}", torch.empty(md.size, dtype=md.properties.dtype)
+
+    def load(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The values of ``keys`` (module state-dict names), shaped as the module has them."""
+        state = dict(self.entry(k) for k in keys)
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
+        out = {}
+        for key in keys:
+            entry = self.entry(key)[0]
+            name = self.aliases.get(key, key)
+            out[key] = state[entry].view(self.shapes[name]) if name in self.shapes else state[entry]
+        return out
+
+
 def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:
     """Write the fp32 weights of a checkpoint as a plain state dict that ``model.load_state_dict`` accepts.
 
     Trainable params come from the fp32 masters; buffers and frozen params from the module entries.
-    Runs in one process, whatever world size saved it."""
-    reader = dcp.FileSystemReader(checkpoint)
-    try:
-        metadata = reader.read_metadata()
-    except FileNotFoundError:
-        raise ConfigError(f"{checkpoint} is not a checkpoint (no DCP metadata there)") from None
-    holder = {"engine": b""}
-    with _quiet_single_process():
-        dcp.load(holder, storage_reader=dcp.FileSystemReader(checkpoint), no_dist=True)
-    meta = pickle.loads(holder["engine"])
-    shapes = dict(meta["params"])
-    aliases = meta.get("aliases", {})  # tied params: one optimizer entry, every name gets its fp32 master
-    state: dict[str, Any] = {}
-    for key in meta["module_keys"]:
-        if key in aliases:
-            continue
-        if key in shapes:
-            numel = 1
-            for d in shapes[key]:
-                numel *= d
-            state[f"optim.{key}.master"] = torch.empty(numel, dtype=torch.float32)
-        else:
-            md = metadata.state_dict_metadata[f"module.{key}"]
-            state[f"module.{key}"] = torch.empty(md.size, dtype=md.properties.dtype)
-    with _quiet_single_process():
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    out = {}
-    for key in meta["module_keys"]:
-        name = aliases.get(key, key)
-        out[key] = state[f"optim.{name}.master"].view(shapes[name]) if name in shapes else state[f"module.{key}"]
+    Runs in one process, whatever world size saved it. ``checkpoint`` may be the save directory (its
+    ``latest`` is followed)."""
+    saved = _Saved(checkpoint)
+    out = saved.load(list(saved.meta["module_keys"]))
     torch.save(out, out_path)
     return out
+
+
+def consolidate_safetensors(checkpoint: str, out_dir: str, *,
+                            max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> list[str]:
+    """Write the fp32 weights of a checkpoint as sharded safetensors + index (+ the model's ``config.json``
+    when the engine's model had one): a directory ``from_pretrained`` loads. Reads one output file's
+    worth at a time. Tied names are written once (the first). Returns the files written."""
+    saved = _Saved(checkpoint)
+    writer = ShardedWriter(out_dir, max_shard_size_bytes=max_shard_size_bytes)
+    group: list[str] = []
+    group_bytes = 0
+    for key in saved.meta["module_keys"]:
+        if key in saved.aliases:
+            continue
+        tensor = saved.entry(key)[1]
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and group_bytes + nbytes > max_shard_size_bytes:
+            for k, v in saved.load(group).items():
+                writer.add(k, v)
+            group, group_bytes = [], 0
+        group.append(key)
+        group_bytes += nbytes
+    if group:
+        for k, v in saved.load(group).items():
+            writer.add(k, v)
+    names = writer.close()
+    write_config(out_dir, saved.meta.get("model_config"))
+    return names

@@ -142,8 +142,12 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from offload.checkpoint import consolidate
+    from offload.checkpoint import consolidate, consolidate_safetensors
 
+    if args.format == "safetensors":
+        names = consolidate_safetensors(args.checkpoint, args.out, max_shard_size_bytes=args.max_shard_size_bytes)
+        print(f"wrote {args.out}: {len(names)} safetensors file(s) (fp32 weights)")
+        return 0
     state = consolidate(args.checkpoint, args.out)
     print(f"wrote {args.out}: {len(state)} entries, {sum(t.numel() for t in state.values())} elements (fp32 weights)")
     return 0
@@ -235,9 +239,13 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     s.add_argument("--timeout-seconds", type=float, default=10.0)
     s.set_defaults(fn=_status)
 
-    c = sub.add_parser("consolidate", help="a checkpoint's fp32 weights as a plain state_dict file")
-    c.add_argument("checkpoint", help="the checkpoint directory (save_dir/tag)")
-    c.add_argument("out", help="the .pt file to write (torch.save of a state_dict)")
+    c = sub.add_parser("consolidate", help="a checkpoint's fp32 weights as a state_dict file or safetensors")
+    c.add_argument("checkpoint", help="the checkpoint directory (save_dir/tag), or save_dir (its 'latest' is read)")
+    c.add_argument("out", help="the .pt file to write (torch.save of a state_dict); with --format safetensors, "
+                               "the directory (sharded safetensors + index + config.json, as from_pretrained reads)")
+    c.add_argument("--format", choices=("pt", "safetensors"), default="pt")
+    c.add_argument("--max-shard-size-bytes", type=int, default=5 * 1024 ** 3,
+                   help="--format safetensors: the most bytes per file (default 5 GiB)")
     c.set_defaults(fn=_consolidate)
 
     e = sub.add_parser("estimate", help="device, host and NVMe bytes per ZeRO stage and offload choice")

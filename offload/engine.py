@@ -394,13 +394,15 @@ class Engine:
             self.overlap.cancel()  # a speculation in flight is not a step's state ([Note: overlapped step])
         return save_checkpoint(self, save_dir, tag=tag, client_state=state, save_latest=save_latest)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """The weights in the compute dtype as one state dict file (stage 3: only with
+    def save_16bit_model(self, save_dir: str, save_filename: str | None = None,
+                         exclude_frozen_parameters: bool = False, **kwargs: Any) -> bool:
+        """The weights in the compute dtype: sharded safetensors + index + config.json that ``from_pretrained``
+        loads (no ``save_filename``; ``max_shard_size_bytes=``), or one state dict file (stage 3: only with
         stage3_gather_16bit_weights_on_model_save); True if written. See ``offload.model_save``."""
         from offload.model_save import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters,
+                                **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, *, force: bool = False) -> tuple[str | None, dict]:

@@ -415,6 +415,24 @@ def _model_spec(text: str, *, persistence_threshold: int) -> ModelShapes:
     return shapes_from_model(model, persistence_threshold=persistence_threshold)
 
 
+def _hf_config_spec(path: str, *, persistence_threshold: int) -> ModelShapes:
+    """A Hugging Face ``config.json`` (or its directory): the causal LM it describes, built on the meta device."""
+    import os
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError("--hf-config needs transformers: pip install .[hf]") from None
+    where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isfile(os.path.join(where, "config.json")) or \
+            (not os.path.isdir(path) and os.path.basename(path) != "config.json"):
+        raise ConfigError(f"--hf-config takes a config.json or the directory holding one, got {path!r}")
+    config = AutoConfig.from_pretrained(where, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return shapes_from_model(model, persistence_threshold=persistence_threshold)
+
+
 def run_cli(args: Any) -> int:
     """``offload estimate`` (the arguments ``offload.cli`` parses)."""
     import json
@@ -424,13 +442,15 @@ def run_cli(args: Any) -> int:
 
     cfg = read_config(config, world_size=args.world_size) if args.config else None
     threshold = cfg.zero.stage3_param_persistence_threshold if cfg is not None else 100_000
-    if sum(x is not None for x in (args.params, args.gpt, args.model)) != 1:
-        raise ConfigError("give one of --params, --gpt or --model")
+    if sum(x is not None for x in (args.params, args.gpt, args.model, args.hf_config)) != 1:
+        raise ConfigError("give one of --params, --gpt, --model or --hf-config")
     if args.params is not None:
         shapes = shapes_from_count(parse_count(args.params),
                                    largest_layer=parse_count(args.largest_layer) if args.largest_layer else None)
     elif args.gpt is not None:
         shapes = _gpt_spec(args.gpt, seq=args.seq, batch=args.batch, persistence_threshold=threshold)
+    elif args.hf_config is not None:
+        shapes = _hf_config_spec(args.hf_config, persistence_threshold=threshold)
     else:
         shapes = _model_spec(args.model, persistence_threshold=threshold)
     gpu = args.gpu if args.gpu is not None else (args.gpu_gib is not None or torch.cuda.is_available())
@@ -466,6 +486,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--largest-layer", help="with --params: elements of the largest layer (default params/96)")
     parser.add_argument("--gpt", help="offload.models.gpt.GPT: n_layer=30,n_embd=2560,vocab_size=50257[,n_head=20]")
     parser.add_argument("--model", help="module:callable returning the nn.Module (built on the meta device)")
+    parser.add_argument("--hf-config", help="a Hugging Face config.json (or its directory): the causal LM it describes")
     parser.add_argument("--seq", type=int, default=1024, help="with --gpt: tokens per sequence (1024)")
     parser.add_argument("--batch", type=int, default=1, help="with --gpt: sequences per micro-batch (1)")
     parser.add_argument("--config", help="the engine's JSON config (buffer counts, sub_group_size, dtype, limits)")

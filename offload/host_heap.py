@@ -61,6 +61,22 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_resident_bytes() -> int:
+    """This process's peak resident set (VmHWM, from /proc/self/status) since it started or the last reset."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
+def reset_peak_resident() -> int:
+    """Set the peak resident set to the current one (Linux's /proc/self/clear_refs); returns it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return resident_bytes()
+
+
 class HeapTrimmer:
     """Trims the heap at step boundaries when resident memory has crept ([Note: host heap creep])."""
 

@@ -5,7 +5,9 @@
 Inside the context, modules are constructed on the meta device: their parameters have shapes
 and no memory. ``offload.initialize`` (stage 3) then puts each parameter straight into its
 partition, one module at a time ([Note: materializing] in ``offload.zero.stage3``), by
-running the module's ``reset_parameters()`` or the ``param_init_fn`` given here.
+running the module's ``reset_parameters()`` or the ``param_init_fn`` given here; a Hugging Face
+model's own ``_init_weights`` runs instead, replayed in the order ``post_init`` runs it
+([Note: init replay] in ``offload.hf_init``).
 
     with offload.init_context(config):
         model = GPT(cfg)
@@ -21,13 +23,16 @@ from typing import Any, Callable, Iterator
 import torch
 
 from csrc import ConfigError
+from offload.hf_init import recording
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["init_context", "init_fn_of"]
+__all__ = ["init_context", "init_fn_of", "init_record_of"]
 
 # Models built in a context with a param_init_fn -> that function (a side table: nothing is set on the model).
 _INIT_FNS: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = weakref.WeakKeyDictionary()
+# Models built in a context -> what the context recorded ([Note: init replay]), shared by the context's models.
+_RECORDS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 def _stage_of(config: Any) -> int:
     if config is None:
@@ -62,17 +67,27 @@ def init_context(config: Any = None, *, param_init_fn: Callable[[torch.nn.Module
         before(self, *args, **kwargs)
         built.append(weakref.ref(self))
 
+    events: list = []
     torch.nn.Module.__init__ = record
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), recording(events):
             yield
     finally:
         torch.nn.Module.__init__ = before
+    for ref in built:
+        module = ref()
+        if module is not None:
+            _RECORDS[module] = events
     if param_init_fn is not None:
         for ref in built:
             module = ref()
             if module is not None:
                 _INIT_FNS[module] = param_init_fn
+
+
+def init_record_of(model: torch.nn.Module) -> list | None:
+    """What the context ``model`` was built in recorded: its draws and ``init_weights`` calls, in order."""
+    return _RECORDS.get(model)
 
 
 def init_fn_of(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:

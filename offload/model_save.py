@@ -1,5 +1,12 @@
-"""``engine.save_16bit_model``: the module's weights in the compute dtype, as one plain state dict file.
+"""``engine.save_16bit_model``: the module's weights in the compute dtype.
 
+With no file name (the default) it writes what ``from_pretrained`` loads: sharded safetensors with
+their index and, for a Hugging Face model, its ``config.json`` (``offload.safetensors_out``). It
+streams: at stage 3 one unit is gathered at a time (every rank takes part; rank 0 writes), so no
+process holds the whole model, and it saves whatever ``stage3_gather_16bit_weights_on_model_save``
+says (the flag exists because DeepSpeed gathers the whole model for it).
+
+With a file name (``"pytorch_model.bin"``) it is DeepSpeed's call, one plain state dict file.
 DeepSpeed's semantics: with stage 3 the parameters are partitioned, so they are gathered only when
 ``stage3_gather_16bit_weights_on_model_save`` is true; otherwise nothing is saved and the call
 returns False (a checkpoint and ``offload consolidate`` give the fp32 weights instead). With stages
@@ -15,6 +22,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from offload.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +45,45 @@ def _state(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Ten
     return out
 
 
-def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin", *,
-                     exclude_frozen_parameters: bool = False) -> bool:
-    """Write ``save_dir/save_filename`` (torch.save of the state dict); True if it was written."""
+def _save_safetensors(engine, save_dir: str, exclude_frozen: bool, max_shard_size_bytes: int) -> None:
+    module = engine.module
+    stage3 = getattr(engine, "stage3", None)
+    unit_of: dict[int, int] = {}
+    if stage3 is not None:
+        by_name = {stage3.layout.slots[i].name: b.index for b in stage3.layout.buckets for i in b.slots}
+        unit_of = {id(p): by_name[n] for n, p in module.named_parameters() if n in by_name}
+    writer = ShardedWriter(save_dir, max_shard_size_bytes=max_shard_size_bytes) if engine.global_rank == 0 else None
+    seen: set[int] = set()
+    held = contextlib.ExitStack()
+    current = None
+    with held, torch.no_grad():
+        for key, value in module.state_dict(keep_vars=True).items():
+            if id(value) in seen or (exclude_frozen and isinstance(value, torch.nn.Parameter)
+                                     and not value.requires_grad):
+                continue
+            seen.add(id(value))
+            unit = unit_of.get(id(value))
+            if unit is not None and unit != current:  # one unit gathered at a time, in state dict order
+                held.close()
+                held.enter_context(stage3.coordinator.gathered_units([unit], free=True))
+                current = unit
+            if writer is not None:
+                writer.add(key, value)
+    if writer is not None:
+        writer.close()
+        write_config(save_dir, model_config_json(module))
+
+
+def save_16bit_model(engine, save_dir: str, save_filename: str | None = None, *,
+                     exclude_frozen_parameters: bool = False,
+                     max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> bool:
+    """Write ``save_dir`` as sharded safetensors (no ``save_filename``), or ``save_dir/save_filename``
+    (torch.save of the state dict); True if it was written."""
+    if save_filename is None:
+        _save_safetensors(engine, save_dir, exclude_frozen_parameters, max_shard_size_bytes)
+        if dist.is_initialized():
+            dist.barrier()
+        return True
     stage3 = getattr(engine, "stage3", None)
     if stage3 is not None and not engine.config.zero.stage3_gather_16bit_weights_on_model_save:
         logger.warning("save_16bit_model: not saved: stage 3 keeps the parameters partitioned; set "

@@ -74,6 +74,7 @@ if ! $PY -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.1
 fi
 pip_install torch==2.13.0
 echo "setup: installing this project in place and compiling its C (cffi, gcc)"
-pip_install -e '.[test,triton]'  # triton: the batched copy kernel's tests run under its interpreter
+# triton: the batched copy kernel's tests run under its interpreter; hf: the Hugging Face models' tests
+pip_install -e '.[test,triton,hf]'
 stamp >"$STAMP_FILE"
 echo "setup: done. \`source .venv/bin/activate\` puts the offload command on PATH (or run .venv/bin/offload)"

@@ -334,7 +334,14 @@ class ParamCoordinator:
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Every parameter gathered for the block (to read the whole model: DeepSpeed's GatheredParameters)."""
-        units = [u for u in range(len(self._full)) if u not in self.plan.persistent]
+        with self.gathered_units(range(len(self._full))):
+            yield
+
+    @contextlib.contextmanager
+    def gathered_units(self, wanted, *, free: bool = False) -> Iterator[None]:
+        """The units ``wanted`` gathered for the block (every rank calls it with the same units); ``free``:
+        freed after it unless in use (not kept for reuse: a walk over the model, as a save)."""
+        units = [u for u in wanted if u not in self.plan.persistent]
         for u in units:
             self._fwd_refs[u] += 1
             if not self.is_gathered(u):
@@ -344,7 +351,12 @@ class ParamCoordinator:
         finally:
             for u in units:
                 self._fwd_refs[u] -= 1
-                self.release(u)
+                if free and u in self._kept:
+                    self._kept.remove(u)
+                if free and not self._in_use(u) and self.is_gathered(u):
+                    self._free(u)
+                else:
+                    self.release(u)
 
     def stats(self) -> FetchStats:
         return FetchStats(gathers=self.gathers, peak_live_bytes=self.peak_live_bytes,

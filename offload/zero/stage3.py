@@ -7,7 +7,10 @@ by module in registration order, the units that module's params are in get their
 buffers, the module's ``reset_parameters()`` (or the context's ``param_init_fn``) fills
 them, this rank's shard of each finished unit is written to the shard store and the buffer
 is freed. So the most this process holds at once is the persistent units plus the units of
-one module. A model with real parameters goes the same way, its values copied instead.
+one module. A model with real parameters goes the same way, its values copied instead. A
+Hugging Face model built in the context goes by its recorded init instead ([Note: init
+replay] in ``offload.hf_init``): a unit is gathered (zeros) at the first step that writes
+one of its params and its shard written after the last.
 Every rank draws the same random numbers in the same order, so the ranks agree, and
 with the same seed the values are those of the model built the plain way.
 """
@@ -21,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError
+from offload import hf_init
 from offload.config import OffloadDevice, resolve_daemon_socket, resolve_job_id
+from offload.pretrained import PendingLoad, load_buffers, load_into_shards
 from offload.tiers import PAGE, Tier, TierPlan, open_tier
 from offload.zero.external import rebind
 from offload.zero.layout import FlatLayout, SubGroup
@@ -153,9 +158,12 @@ def _log_partition(plan, rank: int, threshold: int) -> None:
 def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], names: dict[int, str], *,
                  zero, aio, checksum: bool, dtype: torch.dtype, device: torch.device, rank: int, world_size: int,
                  group: dist.ProcessGroup | None, sub_group_numel: int,
-                 param_init_fn: Callable[[torch.nn.Module], None] | None = None, offload=None) -> Stage3Parts:
+                 param_init_fn: Callable[[torch.nn.Module], None] | None = None, offload=None,
+                 init_steps: list | None = None, pretrained: PendingLoad | None = None) -> Stage3Parts:
     """Lay out the units, open the shards' tier (the daemon's when ``offload``, the config's offload
-    section, names one), put the params in their partitions, hook the modules."""
+    section, names one), put the params in their partitions, hook the modules. ``init_steps``
+    (``offload.hf_init.plan_steps``): the recorded init to replay instead of ``reset_parameters``;
+    ``pretrained`` (``offload.load_pretrained``): values read into the shards after the init."""
     plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold)
     params = [p for g in groups for p in g]
     layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
@@ -182,7 +190,16 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
                                                            max_live_numel=zero.stage3_max_live_parameters,
                                                            max_reuse_distance_numel=zero.stage3_max_reuse_distance),
                                        group=group, world_size=world_size, fetcher=fetcher)
-        peak = _materialize(model, layout, plan, shards, coordinator, params, sources, param_init_fn)
+        if init_steps is not None and all(s is None for s in sources):
+            loaded = set(pretrained.params) if pretrained is not None else set()
+            peak = _replay_init(model, layout, shards, coordinator, params, names, init_steps, loaded)
+        else:
+            peak = _materialize(model, layout, plan, shards, coordinator, params, sources, param_init_fn)
+        if pretrained is not None:
+            load_buffers(model, pretrained)
+            read = load_into_shards(pretrained, layout, shards)
+            logger.info("rank %d: loaded %d tensors into the shards, %d bytes read at most at once", rank,
+                        len(pretrained.params), read)
         del sources
         coordinator.after_step()  # nothing recorded yet: only gathers the persistent units
     except BaseException:
@@ -232,6 +249,43 @@ def _materialize(model, layout: FlatLayout, plan: UnitPlan, shards: ShardStore, 
                     _write_shard(coordinator, shards, layout, u)
                     written.add(u)
     return peak
+
+
+def _replay_init(model, layout: FlatLayout, shards: ShardStore, coordinator: ParamCoordinator,
+                 params: Sequence[torch.nn.Parameter], names: dict[int, str], steps: list,
+                 loaded: set[str]) -> int:
+    """[Note: init replay]: the recorded draws and init steps, each unit gathered from its first write to
+    its last. Returns the peak bytes held."""
+    unit_of = {names[id(params[i])]: b.index for b in layout.buckets for i in b.slots}
+    hf_init.check_written(steps, set(unit_of) - loaded)
+    last: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        for name in _real_writes(step, unit_of):
+            last[unit_of[name]] = k
+    peak = 0
+    with torch.no_grad():
+        for k, step in enumerate(steps):
+            if isinstance(step, hf_init.Draw):
+                hf_init.replay_draw(step)
+                continue
+            units = sorted({unit_of[n] for n in _real_writes(step, unit_of)})
+            for u in units:
+                if not coordinator.is_gathered(u):
+                    coordinator._full[u].untyped_storage().resize_(coordinator._full[u].numel() * shards.itemsize)
+                    coordinator._full[u].zero_()
+            peak = max(peak, sum(f.untyped_storage().nbytes() for f in coordinator._full))
+            hf_init.replay(step, model)
+            for u in units:
+                if last[u] == k:
+                    _write_shard(coordinator, shards, layout, u)
+    return peak
+
+
+def _real_writes(step, unit_of: dict[str, int]) -> list[str]:
+    """The trainable params a step writes for good (not through a tied alias; frozen ones are not in units)."""
+    if isinstance(step, hf_init.Draw):
+        return []
+    return [n for n in step.writes if n in unit_of and n not in step.scratch]
 
 
 def _init_module(module: torch.nn.Module, param_init_fn) -> None:
