@@ -154,7 +154,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from offload.estimate import run_cli
+    from offload.estimate_cli import run_cli
 
     return run_cli(args)
 
@@ -250,7 +250,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="device, host and NVMe bytes per ZeRO stage and offload choice")
     if command == "estimate":  # its arguments come with torch; `offload status` must answer in well under 0.5 s
-        from offload.estimate import add_arguments
+        from offload.estimate_cli import add_arguments
 
         add_arguments(e)
     e.set_defaults(fn=_estimate)

@@ -13,12 +13,13 @@ names (the JSON is DeepSpeed's); the docstring of each says its unit.
 from __future__ import annotations
 
 import enum
-import math
 import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from csrc.errors import ConfigError
+from offload.config_checks import check_bool as _bool, check_float as _float, check_int as _int, check_text as _text
+from offload.config_checks import fail as _fail
 
 __all__ = [
     "OffloadDevice",
@@ -47,60 +48,6 @@ class OffloadDevice(enum.Enum):
 
 
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-
-
-# ---- checks shared by the classes below ------------------------------------------------
-
-def _fail(obj: object, name: str, requirement: str) -> None:
-    value = getattr(obj, name)
-    err = ConfigError(f"{type(obj).__name__}.{name} must be {requirement}, got {value!r}")
-    err.field = name  # read_config turns this into the JSON key's dotted path
-    raise err
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int(obj: object, name: str, lo: int | None = None, hi: int | None = None,
-         optional: bool = False) -> None:
-    value = getattr(obj, name)
-    if optional and value is None:
-        return
-    if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
-        bounds = (f" in [{lo}, {hi}]" if lo is not None and hi is not None
-                  else f" >= {lo}" if lo is not None else "")
-        _fail(obj, name, f"an integer{bounds}" + (" or null" if optional else ""))
-
-
-def _float(obj: object, name: str, lo: float | None = None, hi: float | None = None,
-           lo_open: bool = False, hi_open: bool = False) -> None:
-    value = getattr(obj, name)
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-          and (lo is None or (value > lo if lo_open else value >= lo))
-          and (hi is None or (value < hi if hi_open else value <= hi)))
-    if not ok:
-        parts = []
-        if lo is not None:
-            parts.append(f"{'>' if lo_open else '>='} {lo}")
-        if hi is not None:
-            parts.append(f"{'<' if hi_open else '<='} {hi}")
-        _fail(obj, name, "a finite number" + (" " + " and ".join(parts) if parts else ""))
-    object.__setattr__(obj, name, float(value))
-
-
-def _bool(obj: object, *names: str) -> None:
-    for name in names:
-        if not isinstance(getattr(obj, name), bool):
-            _fail(obj, name, "true or false")
-
-
-def _text(obj: object, name: str, optional: bool = True) -> None:
-    value = getattr(obj, name)
-    if optional and value is None:
-        return
-    if not isinstance(value, str) or not value:
-        _fail(obj, name, "a non-empty string" + (" or null" if optional else ""))
 
 
 def _device(obj: object) -> None:
