@@ -131,10 +131,6 @@ class PartitionedAdam:
                 dsts.append(acc[p.sub_start + off:p.sub_start + off + src.numel()])
                 srcs.append(src)
         zero = False
-        if all(d.is_cpu for d in dsts) and not all(t.is_cpu for t in srcs):
-            # a GPU gradient reaching host accumulators without a Fetcher's copy: brought over here
-            # (synchronously); zeroing the copies would not zero the source
-            srcs, zero_source = [t.cpu() for t in srcs], False
         if all(t.is_cpu for t in srcs) and all(d.is_cpu for d in dsts):  # one fused C pass ([Note: landing])
             zero = zero_source and self._covers[bucket.index]
             total = grad_land(dsts, srcs, accumulate=not first, zero_sources=zero, num_threads=self.num_threads)
