@@ -1,7 +1,8 @@
 """``engine.save_16bit_model``: the module's weights in the compute dtype.
 
 With no file name (the default) it writes what ``from_pretrained`` loads: sharded safetensors with
-their index and, for a Hugging Face model, its ``config.json`` (``offload.safetensors_out``). It
+their index and, for a Hugging Face model, its ``config.json`` (``offload.safetensors_out``), under the
+names ``save_pretrained`` writes (Mixtral's experts one tensor each: ``offload.hf_names``). It
 streams: at stage 3 one unit is gathered at a time (every rank takes part; rank 0 writes), so no
 process holds the whole model, and it saves whatever ``stage3_gather_16bit_weights_on_model_save``
 says (the flag exists because DeepSpeed gathers the whole model for it).
@@ -23,6 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from offload.hf_names import original_format
 from offload.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
 
 logger = logging.getLogger(__name__)
@@ -68,7 +70,8 @@ def _save_safetensors(engine, save_dir: str, exclude_frozen: bool, max_shard_siz
                 held.enter_context(stage3.coordinator.gathered_units([unit], free=True))
                 current = unit
             if writer is not None:
-                writer.add(key, value)
+                for name, tensor in original_format(module, key, value):  # [Note: converted names]
+                    writer.add(name, tensor)
     if writer is not None:
         writer.close()
         write_config(save_dir, model_config_json(module))

@@ -63,6 +63,7 @@ def test_loads_into_stage3_shards_and_trains_as_torch(tmp_path, kind, sharded, d
 
 def test_two_rank_pieces_cover_each_tensor(tmp_path):
     """Each rank reads only its piece of every unit: the two ranks' shards put together are the checkpoint."""
+    from offload.hf_names import Source
     from offload.pretrained import SafetensorsCheckpoint, PendingLoad, load_into_shards
     from offload.zero.layout import FlatLayout
 
@@ -82,7 +83,8 @@ def test_two_rank_pieces_cover_each_tensor(tmp_path):
             def release(self, u, *, dirty):
                 assert dirty
 
-        load_into_shards(PendingLoad(ckpt, {n: n for n, _ in named}, {}), layout, Shards())
+        sources = {n: Source(tuple(p.shape), ((n, p.numel()),)) for n, p in named}
+        load_into_shards(PendingLoad(ckpt, sources, {}), layout, Shards())
         flats.append((layout, parts))
     layout = flats[0][0]
     for b in layout.buckets:
