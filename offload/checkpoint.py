@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from csrc import ConfigError
 from offload.checkpoint_tags import LATEST, METADATA, failed_save, prune, resolve_path, write_latest
+from offload.hf_names import model_for_names, original_format
 from offload.rng import rng_state, set_rng_state
 from offload.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
 
@@ -419,10 +420,17 @@ def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:
 def consolidate_safetensors(checkpoint: str, out_dir: str, *,
                             max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> list[str]:
     """Write the fp32 weights of a checkpoint as sharded safetensors + index (+ the model's ``config.json``
-    when the engine's model had one): a directory ``from_pretrained`` loads. Reads one output file's
-    worth at a time. Tied names are written once (the first). Returns the files written."""
+    when the engine's model had one): a directory ``from_pretrained`` loads, under the names ``save_pretrained``
+    writes when transformers can build that config on the meta device. Reads one output file's worth at a time. Tied names are written once (the first). Returns the files written."""
     saved = _Saved(checkpoint)
     writer = ShardedWriter(out_dir, max_shard_size_bytes=max_shard_size_bytes)
+    names_model = model_for_names(saved.meta.get("model_config"))  # [Note: converted names]
+
+    def add(values: dict[str, torch.Tensor]) -> None:
+        for k, v in values.items():
+            for name, tensor in original_format(names_model, k, v) if names_model is not None else [(k, v)]:
+                writer.add(name, tensor)
+
     group: list[str] = []
     group_bytes = 0
     for key in saved.meta["module_keys"]:
@@ -431,14 +439,12 @@ def consolidate_safetensors(checkpoint: str, out_dir: str, *,
         tensor = saved.entry(key)[1]
         nbytes = tensor.numel() * tensor.element_size()
         if group and group_bytes + nbytes > max_shard_size_bytes:
-            for k, v in saved.load(group).items():
-                writer.add(k, v)
+            add(saved.load(group))
             group, group_bytes = [], 0
         group.append(key)
         group_bytes += nbytes
     if group:
-        for k, v in saved.load(group).items():
-            writer.add(k, v)
+        add(saved.load(group))
     names = writer.close()
     write_config(out_dir, saved.meta.get("model_config"))
     return names

@@ -24,6 +24,7 @@ layout written are the ones ``save_pretrained`` writes, one tensor at a time.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 from typing import Any, Iterable
@@ -34,7 +35,7 @@ from csrc import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Source", "checkpoint_sources", "original_format"]
+__all__ = ["Source", "checkpoint_sources", "model_for_names", "original_format"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,30 @@ def _fused_source(target: str, converter: Any, by_pattern: dict[str, list[str]],
     if any(tuple(shapes[k]) != tuple(shapes[l[0]]) for l in lists for k in l):
         raise ConfigError(f"{target}: the checkpoint tensors it stacks ({', '.join(lists[0][:4])} ...) differ in shape")
     return Source(tuple(shape), tuple((k, _numel(shapes[k])) for k in order))
+
+
+def model_for_names(config_json: str | None) -> torch.nn.Module | None:
+    """The model a ``config.json`` text describes, built on the meta device (no memory), for
+    ``original_format`` where only the checkpoint's config is at hand (``offload consolidate``); None without
+    transformers or a config it builds."""
+    if config_json is None:
+        return None
+    try:
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return None
+    try:
+        fields = json.loads(config_json)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        archs = getattr(config, "architectures", None) or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        with torch.device("meta"):
+            return cls(config) if cls is not None else AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # the names stay the engine's; from_pretrained reads those too
+        logger.warning("could not build the model of the saved config.json on the meta device (%s): the tensors "
+                       "keep the model's own names", exc)
+        return None
 
 
 def original_format(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -88,7 +88,14 @@ def model_config_json(module: Any) -> str | None:
     """The model's ``config.json`` text when it has a Hugging Face config, else None."""
     config = getattr(module, "config", None)
     to_json = getattr(config, "to_json_string", None)
-    return to_json() if callable(to_json) else None
+    if not callable(to_json):
+        return None
+    text = to_json()
+    fields = json.loads(text)
+    if not fields.get("architectures"):  # as save_pretrained records the class (from_config leaves it unset)
+        fields["architectures"] = [type(module).__name__]
+        text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+    return text
 
 
 def write_config(save_dir: str, config_json: str | None) -> None:

@@ -29,6 +29,15 @@ def _gathered(engine, net) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
+def _initialized_state(net, config) -> dict[str, torch.Tensor]:
+    """The state dict of ``net`` after initialize (built in the context), the engine closed."""
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        return _gathered(engine, net)
+    finally:
+        engine.close()
+
+
 def _logits(model, ids) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -78,12 +87,7 @@ def test_model_class_from_pretrained_and_from_config_agree(tmp_path):
         a = hf.LlamaForCausalLM.from_pretrained(tmp_path / "ckpt")
         b = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "ckpt"))
     load_pretrained(b, tmp_path / "ckpt")
-    engines = [initialize(model=m, config=config)[0] for m in (a, b)]
-    try:
-        got = [_gathered(e, m) for e, m in zip(engines, (a, b))]
-    finally:
-        for e in engines:
-            e.close()
+    got = [_initialized_state(m, config) for m in (a, b)]
     assert got[0].keys() == got[1].keys()
     for key in got[0]:
         assert torch.equal(got[0][key], got[1][key]), key
@@ -103,11 +107,7 @@ def test_missing_and_unexpected_keys_as_plain_from_pretrained(tmp_path):
         net, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert set(info["missing_keys"]) == set(want["missing_keys"]) == {"model.norm.weight"}
     assert set(info["unexpected_keys"]) == set(want["unexpected_keys"]) == {"extra.weight"}
-    engine, _, _, _ = initialize(model=net, config=config)
-    try:
-        got = _gathered(engine, net)
-    finally:
-        engine.close()
+    got = _initialized_state(net, config)
     for key, value in state.items():
         if key != "extra.weight":
             assert torch.equal(got[key], value), key
@@ -172,10 +172,6 @@ def test_mixtral_saved_back_under_save_pretrained_names(tmp_path, device):
     torch.testing.assert_close(_logits(loaded, ids), logits, rtol=0, atol=0)
     with init_context(config):
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    engine, _, _, _ = initialize(model=again, config=config)
-    try:
-        back = _gathered(engine, again)
-    finally:
-        engine.close()
+    back = _initialized_state(again, config)
     for key, value in trained.items():
         assert torch.equal(back[key], value), key

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed (pip install .[hf])")
 pytest.importorskip("safetensors", reason="safetensors is not installed (pip install .[hf])")
 
+from safetensors import safe_open  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from offload import initialize  # noqa: E402
@@ -95,10 +96,11 @@ def test_bf16_engine_saves_bf16(tmp_path):
     assert any(v.dtype == torch.bfloat16 for v in got.values())
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
 def test_consolidate_safetensors_from_the_save_dir(tmp_path, kind):
     """`offload consolidate SAVE_DIR OUT --format safetensors` follows `latest` and writes the fp32 masters:
-    from_pretrained gives the engine's fp32 logits."""
+    from_pretrained gives the engine's fp32 logits. The names are those save_pretrained writes (Mixtral's
+    experts one tensor each), and config.json names the class, as save_pretrained's does."""
     config = hf.engine_config(3, "nvme", str(tmp_path))
     engine, _, _, _ = initialize(model=hf.build(kind), config=config)
     ids = hf.batches(1, seed=9)[0]
@@ -111,6 +113,12 @@ def test_consolidate_safetensors_from_the_save_dir(tmp_path, kind):
     assert main(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "safetensors",
                  "--max-shard-size-bytes", str(CAP)]) == 0
     _assert_loads_with_logits(tmp_path / "hf", logits, ids)
+    hf.build(kind).save_pretrained(tmp_path / "ref", max_shard_size="1GB")
+    want = json.loads((tmp_path / "ref" / "config.json").read_text())["architectures"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == want
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    with safe_open(str(tmp_path / "ref" / "model.safetensors"), "pt") as f:
+        assert set(index["weight_map"]) == set(f.keys())
 
 
 def test_estimate_reads_an_hf_config(tmp_path, capsys):
