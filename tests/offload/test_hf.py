@@ -1,6 +1,6 @@
 """Hugging Face models under the engine, against plain torch: GPT-2 (Conv1D, tied head) and Llama (RMSNorm,
 rotary buffers, GQA) and Mixtral (experts) built under init_context get the weights of the plain build with the same seed without
-being held whole, and train as torch.optim.AdamW does at stages 2 and 3 with cpu and nvme offload, built
+being held whole, and train as torch.optim.AdamW does at stages 0 to 3 with cpu and nvme offload, built
 plainly or under init_context, with gradient checkpointing at stage 3."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_init_context_follows_the_seed():
 
 @pytest.mark.parametrize("built", ["plain", "init_context"])
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
 def test_trains_as_torch(tmp_path, kind, stage, device, built):
     """fp32 losses over 8 steps equal torch.optim.AdamW's (clipping on) to 1e-5 relative. Mixtral: 4 experts,

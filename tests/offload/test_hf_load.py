@@ -17,18 +17,10 @@ from tests.offload import hf_models as hf  # noqa: E402
 
 
 def _saved(kind: str, where, sharded: bool) -> torch.nn.Module:
-    """The model built with seed 5, saved by transformers (Mixtral: by the engine's writer under the model's
-    own names, as transformers saves its fused experts under the per-expert names it converts on load)."""
+    """The model built with seed 5, saved by transformers' save_pretrained (Mixtral: its experts one tensor each,
+    which load_pretrained converts into the model's fused experts as transformers does)."""
     src = hf.build(kind, seed=5)
-    if kind == "mixtral":
-        from offload.safetensors_out import ShardedWriter
-
-        writer = ShardedWriter(str(where), max_shard_size_bytes=20_000 if sharded else 1 << 30)
-        for name, value in src.state_dict().items():
-            writer.add(name, value)
-        writer.close()
-    else:
-        src.save_pretrained(where, max_shard_size="20KB" if sharded else "1GB")
+    src.save_pretrained(where, max_shard_size="20KB" if sharded else "1GB")
     assert (where / "model.safetensors.index.json").exists() == sharded
     return src
 
@@ -40,7 +32,7 @@ def _gathered_state(engine, net) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 @pytest.mark.parametrize("sharded", [False, True])
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mixtral"])
 def test_loads_into_stage3_shards_and_trains_as_torch(tmp_path, kind, sharded, device):
     src = _saved(kind, tmp_path / "ckpt", sharded)
     config = hf.engine_config(3, device, str(tmp_path))
@@ -171,10 +163,15 @@ def test_a_partitioned_model_is_refused(tmp_path):
     del src
 
 
-@pytest.mark.parametrize("kind,device", [("gpt2", "cpu"), ("llama", "nvme"), ("mixtral", "cpu")])
-def test_two_ranks_load_train_generate_and_save(tmp_path, kind, device):
-    """Two ranks under torchrun (gloo): built under init_context, loaded from sharded safetensors, 4 steps on
-    halves of the global batch (Mixtral: experts on 2 ranks), greedy generate, save_16bit_model. The mean of
+@pytest.mark.parametrize("kind,device,stage,build", [
+    ("gpt2", "cpu", 3, "from_config"), ("llama", "nvme", 3, "from_config"), ("mixtral", "cpu", 3, "from_config"),
+    ("llama", "cpu", 3, "from_pretrained"), ("mixtral", "nvme", 3, "from_pretrained"),
+    ("gpt2", "cpu", 0, "from_pretrained"), ("llama", "nvme", 1, "from_pretrained"), ("mixtral", "cpu", 1, "from_pretrained")])
+def test_two_ranks_load_train_generate_and_save(tmp_path, kind, device, stage, build):
+    """Two ranks under torchrun (gloo): at stage 3 built under init_context (from_config + load_pretrained, or
+    from_pretrained inside the context), at stages 0 and 1 by plain from_pretrained, from sharded safetensors (as
+    save_pretrained writes them: Mixtral's experts one tensor each); 4 steps on halves of the global batch
+    (Mixtral: experts on 2 ranks), greedy generate, save_16bit_model. The mean of
     the ranks' losses is torch's full-batch loss; the params are torch's and agree across ranks; the
     tokens are torch's; from_pretrained of the saved directory holds the params."""
     import os
@@ -191,7 +188,8 @@ def test_two_ranks_load_train_generate_and_save(tmp_path, kind, device):
     want_tokens = src.eval().generate(hf.batches(1, seed=9)[0][:1, :4], max_new_tokens=5, do_sample=False)
     env = dict(os.environ, PYTHONPATH=child_pythonpath(root), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                           os.path.join(root, "tests", "offload", "hf_worker.py"), kind, device, str(tmp_path), "4"],
+                           os.path.join(root, "tests", "offload", "hf_worker.py"), kind, device, str(tmp_path), "4",
+                           str(stage), build],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")

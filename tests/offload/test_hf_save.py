@@ -45,7 +45,8 @@ def _assert_loads_with_logits(where, logits, ids) -> None:
 
 
 @pytest.mark.parametrize("stage,device,built", [(3, "cpu", "init_context"), (3, "nvme", "init_context"),
-                                                (3, "nvme", "plain"), (2, "cpu", "plain")])
+                                                (3, "nvme", "plain"), (2, "cpu", "plain"), (1, "nvme", "plain"),
+                                                (0, "cpu", "plain")])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_save_16bit_model_loads_with_from_pretrained(tmp_path, kind, stage, device, built):
     """Trained 3 steps, saved, loaded by transformers alone: the same logits, the tied head tied again.
