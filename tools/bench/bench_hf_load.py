@@ -3,7 +3,16 @@ built under init_context, loaded into stage 3 with params and optimizer on NVMe,
 the saved directory loaded by transformers alone. Each phase in its own process, in the same run.
 
     .venv/bin/python tools/bench/bench_hf_load.py [--layers 8] [--hidden 1024] [--intermediate 2816]
-        [--vocab 32000] [--heads 8] [--kv-heads 4] [--shard-mib 256] [--rounds 3] [--workdir DIR] [--out FILE]
+        [--vocab 32000] [--heads 8] [--kv-heads 4] [--shard-mib 256] [--tokens 64] [--rounds 3]
+        [--build from_pretrained|from_config] [--no-peer] [--keep] [--workdir DIR] [--out FILE]
+
+The checkpoint is written tensor by tensor (the model built on the meta device for its names and shapes;
+each tensor drawn, cast to bf16 and handed to the engine's sharded writer, which holds at most one file), so
+the bench never holds the model whole either. ``--build from_pretrained`` (the default) loads it with
+``AutoModelForCausalLM.from_pretrained`` inside ``init_context``; ``from_config`` with ``from_config`` +
+``load_pretrained``. ``--no-peer`` leaves out the peer's load of the source (it holds the whole model once
+used); the logits of the saved directory are still compared. The work directory is removed at the end
+unless ``--keep``.
 
 (``--layers 22 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4`` is TinyLlama's ~1.1B shape;
 ``--layers 26 --hidden 2560 --intermediate 6912 --heads 20 --kv-heads 4`` ~2B.)
@@ -20,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,20 +54,34 @@ def _model_config(a):
 def _batch(a):
     import torch
 
-    return torch.randint(0, a.vocab, (1, 64), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, a.vocab, (1, a.tokens), generator=torch.Generator().manual_seed(0))
 
 
 def phase_save(a) -> dict:
+    """The checkpoint, one tensor at a time: weights N(0, 0.02), norms 1, in bf16."""
     import torch
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
+    from offload.safetensors_out import ShardedWriter, model_config_json, write_config
+
     t0 = time.perf_counter()
-    with torch.device("cpu"):
-        torch.set_default_dtype(torch.bfloat16)
+    with torch.device("meta"):
         model = LlamaForCausalLM(_model_config(a))
-    model.save_pretrained(os.path.join(a.workdir, "src"), max_shard_size=f"{a.shard_mib}MB")
-    return {"params": sum(p.numel() for p in model.parameters()), "save_s": time.perf_counter() - t0}
+    src = os.path.join(a.workdir, "src")
+    writer = ShardedWriter(src, max_shard_size_bytes=a.shard_mib * MIB)
+    g = torch.Generator().manual_seed(0)
+    before = reset_peak_resident()
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            value = torch.ones(p.shape, dtype=torch.bfloat16)
+        else:
+            value = (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
+        writer.add(name, value)
+        del value
+    writer.close()
+    write_config(src, model_config_json(model))
+    return {"params": sum(p.numel() for p in model.parameters()), "save_s": time.perf_counter() - t0,
+            "save_peak_growth": peak_resident_bytes() - before, "save_held": writer.peak_held_bytes}
 
 
 def phase_engine(a) -> dict:
@@ -75,16 +99,24 @@ def phase_engine(a) -> dict:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": 3, "offload_optimizer": nvme, "offload_param": dict(nvme)}}
     with init_context(config):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src, local_files_only=True))
-    report = load_pretrained(model, src)
+        if a.build == "from_pretrained":
+            model, info = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, output_loading_info=True)
+            missing = len(info["missing_keys"])
+        else:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src, local_files_only=True))
+    if a.build != "from_pretrained":
+        missing = len(load_pretrained(model, src).missing_keys)
+    model.train()
     read = stage3.load_into_shards
-    out: dict = {"missing_keys": len(report.missing_keys)}
+    out: dict = {"missing_keys": missing}
 
     def measured(*args, **kwargs):
+        out["init_peak_before_read"] = peak_resident_bytes()
         before = reset_peak_resident()
         t = time.perf_counter()
         result = read(*args, **kwargs)
-        out.update(read_s=time.perf_counter() - t, read_peak_growth=peak_resident_bytes() - before)
+        out.update(read_s=time.perf_counter() - t, read_peak_growth=peak_resident_bytes() - before,
+                   read_rss_before=before, read_peak=peak_resident_bytes(), read_load=os.getloadavg()[0])
         return result
 
     stage3.load_into_shards = measured
@@ -93,6 +125,7 @@ def phase_engine(a) -> dict:
     engine, _, _, _ = initialize(model=model, config=config)
     out["init_s"] = time.perf_counter() - t0
     release_free_heap()
+    reset_peak_resident()
     out.update(init_rss_before=before, resident_after_init=resident_bytes())
     ids = _batch(a)
     t0 = time.perf_counter()
@@ -102,7 +135,9 @@ def phase_engine(a) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    out.update(train_s=time.perf_counter() - t0, losses=losses)
+    release_free_heap()
+    out.update(train_s=time.perf_counter() - t0, losses=losses, train_peak=peak_resident_bytes(),
+               resident_after_train=resident_bytes(), train_load=os.getloadavg()[0])
     t0 = time.perf_counter()
     engine.save_16bit_model(os.path.join(a.workdir, "out"), max_shard_size_bytes=a.shard_mib * MIB)
     out["save_s"] = time.perf_counter() - t0
@@ -121,14 +156,16 @@ def phase_peer(a) -> dict:
     from transformers.models.llama import modeling_llama  # noqa: F401  (its import is not the load)
 
     torch.set_num_threads(os.cpu_count() or 1)
-    before = reset_peak_resident()
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(a.workdir, "src"), dtype=torch.bfloat16).eval()
-    out = {"peer_load_s": time.perf_counter() - t0, "peer_peak_growth": peak_resident_bytes() - before}
-    with torch.no_grad():  # the mapped file's pages count once touched: one forward touches every weight
-        model(input_ids=_batch(a))
-    out["peer_peak_growth_used"] = peak_resident_bytes() - before
-    del model
+    out: dict = {}
+    if a.peer:
+        before = reset_peak_resident()
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(a.workdir, "src"), dtype=torch.bfloat16).eval()
+        out.update(peer_load_s=time.perf_counter() - t0, peer_peak_growth=peak_resident_bytes() - before)
+        with torch.no_grad():  # the mapped file's pages count once touched: one forward touches every weight
+            model(input_ids=_batch(a))
+        out["peer_peak_growth_used"] = peak_resident_bytes() - before
+        del model
     saved = AutoModelForCausalLM.from_pretrained(os.path.join(a.workdir, "out"), dtype=torch.bfloat16).eval()
     with torch.no_grad():
         logits = saved(input_ids=_batch(a)).logits.float()
@@ -150,8 +187,11 @@ def _run(phase: str, argv: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("layers", 8), ("hidden", 1024), ("intermediate", 2816), ("vocab", 32000), ("heads", 8),
-                          ("kv-heads", 4), ("shard-mib", 256)):
+                          ("kv-heads", 4), ("shard-mib", 256), ("tokens", 64)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--build", choices=("from_pretrained", "from_config"), default="from_pretrained")
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="leave out the peer's load of the source")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--rounds", type=int, default=3, help="engine and peer runs (medians reported)")
     p.add_argument("--workdir", default="/tmp/ofl-bench-hf")
     p.add_argument("--out", help="append the markdown result here")
@@ -167,27 +207,40 @@ def main() -> None:
         del argv[i:i + 2]
     argv = [arg for arg in argv if not arg.startswith("--out=")]
     saved = _run("save", argv)
-    runs = [{**_run("engine", argv), **_run("peer", argv)} for _ in range(a.rounds)]
+    try:
+        runs = [{**_run("engine", argv), **_run("peer", argv)} for _ in range(a.rounds)]
+    finally:
+        if not a.keep:
+            shutil.rmtree(a.workdir, ignore_errors=True)
     r = {**saved, **{k: statistics.median(run[k] for run in runs) if isinstance(runs[0][k], (int, float)) else
                      runs[0][k] for k in runs[0]}}
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
+    peer = (f"{r['peer_peak_growth'] / MIB:.0f} / {r['peer_peak_growth_used'] / MIB:.0f} MiB" if a.peer else
+            "not run (--no-peer)")
+    ratio = f"{r['read_peak_growth'] / max(1, r['peer_peak_growth_used']):.3f}" if a.peer else "-"
     lines = [
-        f"### Llama {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}: {r['params'] / 1e6:.0f}M parameters, "
-        f"bf16 safetensors in {a.shard_mib} MiB files; medians of {a.rounds} rounds (load average at the end {load})",
+        f"### Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, vocab {a.vocab}: "
+        f"{r['params'] / 1e6:.0f}M parameters, bf16 safetensors in {a.shard_mib} MiB files, built by {a.build}; "
+        f"medians of {a.rounds} round(s) (load average at the end {load})",
         "",
         "| figure | value |",
         "| --- | --- |",
+        f"| checkpoint written tensor by tensor: peak RSS growth / most bytes the writer held | "
+        f"{r['save_peak_growth'] / MIB:.0f} / {r['save_held'] / MIB:.0f} MiB |",
+        f"| engine: RSS as the read into the shards starts (its resident state then) / peak during the read | "
+        f"{r['read_rss_before'] / MIB:.0f} / {r['read_peak'] / MIB:.0f} MiB (load {r['read_load']:.2f}) |",
         f"| engine: peak RSS growth while reading the checkpoint into the shards | {r['read_peak_growth'] / MIB:.1f} MiB |",
-        f"| engine: RSS before initialize / resident after it (heap trimmed) | {r['init_rss_before'] / MIB:.0f} / "
+        f"| engine: RSS before initialize / peak of initialize before the read / resident after it (heap trimmed) | "
+        f"{r['init_rss_before'] / MIB:.0f} / {r['init_peak_before_read'] / MIB:.0f} / "
         f"{r['resident_after_init'] / MIB:.0f} MiB |",
-        f"| peer (from_pretrained, files mapped): peak RSS growth of its load / after one forward | "
-        f"{r['peer_peak_growth'] / MIB:.0f} / {r['peer_peak_growth_used'] / MIB:.0f} MiB |",
-        f"| ours (read) / peer (after one forward), peak growth | "
-        f"{r['read_peak_growth'] / max(1, r['peer_peak_growth_used']):.3f} |",
+        f"| engine: peak RSS over the 2 steps / resident after them (heap trimmed) | {r['train_peak'] / MIB:.0f} / "
+        f"{r['resident_after_train'] / MIB:.0f} MiB (load {r['train_load']:.2f}) |",
+        f"| peer (from_pretrained, files mapped): peak RSS growth of its load / after one forward | {peer} |",
+        f"| ours (read) / peer (after one forward), peak growth | {ratio} |",
         f"| seconds: read / initialize / 2 steps / save back / peer load | {r['read_s']:.1f} / {r['init_s']:.1f} / "
-        f"{r['train_s']:.1f} / {r['save_s']:.1f} / {r['peer_load_s']:.1f} |",
-        f"| losses of the 2 steps | {r['losses'][0]:.4f}, {r['losses'][1]:.4f} |",
+        f"{r['train_s']:.1f} / {r['save_s']:.1f} / {r.get('peer_load_s', float('nan')):.1f} |",
+        f"| losses of the 2 steps ({a.tokens} tokens) | {r['losses'][0]:.4f}, {r['losses'][1]:.4f} |",
         f"| logits: from_pretrained(saved) vs the engine's model, max abs diff / max abs | "
         f"{r['logit_max_abs_diff']:.4g} / {r['logit_max_abs']:.4g} |",
         "",
