@@ -209,10 +209,10 @@ def test_reading_into_the_shards_holds_about_one_tensor(tmp_path, build):
     """A ~30M-parameter Llama in one ~120 MB safetensors file read into stage 3's shards (params and optimizer
     on NVMe) in a fresh process (the model built under init_context by AutoModelForCausalLM.from_config +
     load_pretrained, or by from_pretrained itself): the peak resident set (VmHWM, reset as the read starts) grows
-    by less than two of the largest tensor (16 MiB each): one piece read, plus slack (0.1 to 19.4 MiB measured
-    over repeated runs of both builds; the excess over one piece, seen in 1 run of 6 of each, was not traced:
-    pages of the engine's own buffers touched first during the read would count). Holding the file would add
-    its 119 MiB."""
+    by less than two of the largest tensor (16 MiB each): one piece read, plus allocator slack. Measured on a
+    shared machine: from_config 0.1 to 10.3 MiB over 4 runs; from_pretrained 0.1 to 19.4 MiB over 6 runs, 2 of
+    them above one tensor (not traced; a piece placed on a fragmented heap once glibc has raised its mmap
+    threshold would do it). Holding the file would add its 119 MiB."""
     import subprocess
     import sys
 
