@@ -15,7 +15,9 @@ used); the logits of the saved directory are still compared. The work directory 
 unless ``--keep``.
 
 (``--layers 22 --hidden 2048 --intermediate 5632 --heads 32 --kv-heads 4`` is TinyLlama's ~1.1B shape;
-``--layers 26 --hidden 2560 --intermediate 6912 --heads 20 --kv-heads 4`` ~2B.)
+``--layers 26 --hidden 2560 --intermediate 6912 --heads 20 --kv-heads 4`` ~2B. ``--host-gib`` sets
+``offload.host_memory_bytes``: unset, the optimizer state's NVMe window takes up to half the memory available
+when the engine starts, which at these sizes holds most of the state in host memory anyway.)
 
 Reported, with VmHWM reset at each measure's start: the engine's peak RSS growth while it reads the checkpoint
 into its shards, its RSS before initialize and after it (the heap trimmed: the engine's resident state), the
@@ -98,6 +100,8 @@ def phase_engine(a) -> dict:
     config = {"train_batch_size": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": 3, "offload_optimizer": nvme, "offload_param": dict(nvme)}}
+    if a.host_gib:  # else the optimizer state's window takes up to half the memory available at start
+        config["offload"] = {"host_memory_bytes": int(a.host_gib * (1 << 30))}
     with init_context(config):
         if a.build == "from_pretrained":
             model, info = AutoModelForCausalLM.from_pretrained(src, local_files_only=True, output_loading_info=True)
@@ -192,6 +196,8 @@ def main() -> None:
     p.add_argument("--build", choices=("from_pretrained", "from_config"), default="from_pretrained")
     p.add_argument("--no-peer", dest="peer", action="store_false", help="leave out the peer's load of the source")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
+    p.add_argument("--host-gib", type=float, default=0.0,
+                   help="offload.host_memory_bytes in GiB (0: unset, the engine sizes it from the memory available)")
     p.add_argument("--rounds", type=int, default=3, help="engine and peer runs (medians reported)")
     p.add_argument("--workdir", default="/tmp/ofl-bench-hf")
     p.add_argument("--out", help="append the markdown result here")
@@ -201,6 +207,9 @@ def main() -> None:
         print(json.dumps({"save": phase_save, "engine": phase_engine, "peer": phase_peer}[a.phase](a)))
         return
     os.makedirs(a.workdir, exist_ok=True)
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable"))
+    print(f"memory available at the start: {available / (1 << 30):.1f} GiB; load {os.getloadavg()[0]:.2f}", flush=True)
     argv = list(sys.argv[1:])
     if "--out" in argv:
         i = argv.index("--out")
@@ -222,7 +231,8 @@ def main() -> None:
     lines = [
         f"### Llama {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, vocab {a.vocab}: "
         f"{r['params'] / 1e6:.0f}M parameters, bf16 safetensors in {a.shard_mib} MiB files, built by {a.build}; "
-        f"medians of {a.rounds} round(s) (load average at the end {load})",
+        f"medians of {a.rounds} round(s); offload.host_memory_bytes "
+        f"{f'{a.host_gib:g} GiB' if a.host_gib else 'unset'} (load average at the end {load})",
         "",
         "| figure | value |",
         "| --- | --- |",
