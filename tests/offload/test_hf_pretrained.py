@@ -175,3 +175,33 @@ def test_mixtral_saved_back_under_save_pretrained_names(tmp_path, device):
     back = _initialized_state(again, config)
     for key, value in trained.items():
         assert torch.equal(back[key], value), key
+
+
+def test_key_mapping_renames_and_unstreamable_conversions_are_refused(tmp_path):
+    """from_pretrained(key_mapping=...) inside the context renames the checkpoint's keys as plain from_pretrained
+    does (the same weights); a conversion whose result is not its sources laid end to end (a transpose) is
+    refused by name rather than read whole."""
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from offload import load_pretrained
+
+    src = hf.build("llama", seed=5)
+    state = {k.replace("self_attn", "attn"): v.detach().clone() for k, v in src.state_dict().items()}
+    hf.llama_config().save_pretrained(tmp_path)
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    mapping = {r"\.attn\.": ".self_attn."}
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, key_mapping=mapping)
+    config = hf.engine_config(3, "cpu", str(tmp_path))
+    with init_context(config):
+        net = AutoModelForCausalLM.from_pretrained(tmp_path, key_mapping=mapping)
+    got = _initialized_state(net, config)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(got[key], value), key
+        assert torch.equal(value, src.state_dict()[key]), key
+    with init_context(config):
+        net = AutoModelForCausalLM.from_config(hf.llama_config())
+    transpose = WeightConverter(source_patterns=r"\.attn\.o_proj\.weight", target_patterns=".self_attn.o_proj.weight",
+                                operations=[Transpose(0, 1)])
+    with pytest.raises(ConfigError, match=r"cannot read model.layers.0.self_attn.o_proj.weight piece by piece: "
+                                          r".*\['Transpose'\]"):
+        load_pretrained(net, tmp_path, conversions=[transpose])
