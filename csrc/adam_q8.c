@@ -39,19 +39,18 @@ static int build_magnitudes(int decades, float *mag) {
     return k;
 }
 
-static void build_lut(const float *mag, int count, uint32_t *lut) {
-    uint32_t mids[256];
-    for (int k = 0; k + 1 < count; k++)
-        mids[k] = ofl_f32_to_bits((float)(((double)mag[k] + (double)mag[k + 1]) * 0.5));
-    int below = 0; /* midpoints under the bucket's low end */
-    for (int b = 0; b < OFL_Q8_LUT_SIZE; b++) {
-        uint32_t lo = OFL_Q8_LOW + ((uint32_t)b << OFL_Q8_SHIFT);
-        uint32_t hi = lo + (1u << OFL_Q8_SHIFT);
-        while (below < count - 1 && mids[below] < lo) below++;
-        uint32_t thr = OFL_Q8_NONE;
-        if (below < count - 1 && mids[below] < hi) thr = mids[below] - lo;
-        lut[b] = ((uint32_t)below << 17) | thr;
+/* The constants of [Note: the code of a value] for a map of `decades` decades. */
+static void build_decades(int map, int decades) {
+    double tens = 1.0;
+    for (int d = 0; d < decades; d++) {
+        int levels = 1 << (decades - 1 - d);
+        tables.thr[map][d] = (float)(1.0 / (tens * 10.0));
+        tables.pow10[map][d] = (float)tens;
+        tables.slope[map][d] = (float)(levels / 0.9);
+        tables.base[map][d] = (1 << (decades - 1 - d)) - 1;
+        tens *= 10.0;
     }
+    tables.decades[map] = decades;
 }
 
 static void build_tables(void) {
@@ -61,10 +60,12 @@ static void build_tables(void) {
         tables.value[OFL_Q8_MAP_SIGNED][k] = mag[k];
         tables.value[OFL_Q8_MAP_SIGNED][128 + k] = -mag[k];
     }
-    build_lut(mag, n, tables.lut[OFL_Q8_MAP_SIGNED]);
+    tables.top[OFL_Q8_MAP_SIGNED] = n - 1;
+    build_decades(OFL_Q8_MAP_SIGNED, 7);
     n = build_magnitudes(8, mag);
     for (int k = 0; k < 256; k++) tables.value[OFL_Q8_MAP_UNSIGNED][k] = mag[k];
-    build_lut(mag, n, tables.lut[OFL_Q8_MAP_UNSIGNED]);
+    tables.top[OFL_Q8_MAP_UNSIGNED] = n - 1;
+    build_decades(OFL_Q8_MAP_UNSIGNED, 8);
 }
 
 const ofl_q8_tables *ofl_q8_tables_get(void) {

@@ -18,24 +18,24 @@
 
 #include "adam_internal.h"
 
-/* [Note: nearest code by the float's bits]
- * a = min(|x| / scale, 1) is cut into buckets by its float bits: (bits - LOW) >> 16, a
- * bucket per exponent and 7 mantissa bits from 2^-25 (below half of both maps' smallest
- * nonzero value, so what falls below codes as zero) to 1. The map's midpoints are at
- * least a bucket apart, so a bucket holds at most one; its table entry is the code of
- * the bucket's low end (bits 17 and up) and where in the bucket the midpoint lies (low
- * 17 bits; 0x10000 when there is none). The nearest code is then entry >> 17, plus one
- * when a's offset in the bucket is past the midpoint: one table load a value. */
-#define OFL_Q8_LOW 0x33000000u /* bits of 2^-25 */
-#define OFL_Q8_SHIFT 16
-#define OFL_Q8_OFF_MASK 0xffffu
-#define OFL_Q8_THR_MASK 0x1ffffu
-#define OFL_Q8_NONE 0x10000u
-#define OFL_Q8_LUT_SIZE ((int)((0x3f800000u - OFL_Q8_LOW) >> OFL_Q8_SHIFT) + 1)
+/* [Note: the code of a value]
+ * a = min(|x| / scale, 1) (NaN -> 1). Its decade d is how many of 10^-1 .. 10^-(D-1) are >= a
+ * (D decades in the map, [Note: the dynamic map] in adam_q8.c), and its place in that decade
+ * s = fma(a, 10^d, -0.1) * (c_d / 0.9), which is 0 at 10^-(d+1) (the top value of the decade
+ * below) and j + 1 at the decade's j-th value. The code is the decade's first code less one,
+ * plus s rounded to the nearest integer (ties to even), clamped to the map: the nearest map value
+ * but for float rounding near a midpoint, and below the smallest decade's midpoint with 10^-D,
+ * zero. The same float operations on every path, each table a register or a few. */
+#define OFL_Q8_DECADES_MAX 8
 
 typedef struct {
-    float value[2][256];                /* map -> code -> value */
-    uint32_t lut[2][OFL_Q8_LUT_SIZE];   /* map -> bucket -> entry */
+    float value[2][256];                     /* map -> code -> value */
+    float thr[2][OFL_Q8_DECADES_MAX];        /* 10^-(k+1): a <= thr[k] is one decade further down */
+    float pow10[2][OFL_Q8_DECADES_MAX];      /* 10^d */
+    float slope[2][OFL_Q8_DECADES_MAX];      /* c_d / 0.9: levels of decade d over its width */
+    int32_t base[2][OFL_Q8_DECADES_MAX];     /* the code of decade d's first value, less one */
+    int32_t decades[2];
+    int32_t top[2];                          /* the largest magnitude code */
 } ofl_q8_tables;
 
 /* Built once (pthread_once) by ofl_q8_tables_get; read only afterwards. */
@@ -82,19 +82,20 @@ static inline uint32_t ofl_q8_absbits(float x) { return ofl_f32_to_bits(x) & 0x7
  * to 0 * scale, so a non-finite moment stays non-finite as in the fp32 path). */
 static inline float ofl_q8_inverse(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
 
-/* The code of x in a block of reciprocal scale inv ([Note: nearest code by the float's bits]). */
-static inline uint8_t ofl_q8_code1(const uint32_t *lut, int32_t map, float x, float inv) {
+/* The code of x in a block of reciprocal scale inv ([Note: the code of a value]). */
+static inline uint8_t ofl_q8_code1(const ofl_q8_tables *t, int32_t map, float x, float inv) {
     float a = ofl_bits_to_f32(ofl_q8_absbits(x)) * inv;
     a = a < 1.0f ? a : 1.0f; /* NaN -> 1, as the vector min */
-    uint32_t bits = ofl_f32_to_bits(a);
-    bits = bits > OFL_Q8_LOW ? bits : OFL_Q8_LOW;
-    uint32_t off = bits - OFL_Q8_LOW;
-    uint32_t e = lut[off >> OFL_Q8_SHIFT];
-    uint32_t idx = (e >> 17) + ((off & OFL_Q8_OFF_MASK) > (e & OFL_Q8_THR_MASK));
+    int d = 0;
+    for (int k = 0; k < t->decades[map] - 1; k++) d += a <= t->thr[map][k];
+    float s = fmaf(a, t->pow10[map][d], -0.1f) * t->slope[map][d];
+    int32_t idx = t->base[map][d] + (int32_t)lrintf(s);
+    idx = idx > 0 ? idx : 0;
+    idx = idx < t->top[map] ? idx : t->top[map];
     if (map == OFL_Q8_MAP_UNSIGNED) {
         if (idx == 0 && x > 0.0f) idx = 1; /* a positive v never codes as zero */
     } else {
-        idx |= (ofl_f32_to_bits(x) >> 24) & 0x80u;
+        idx |= (int32_t)((ofl_f32_to_bits(x) >> 24) & 0x80u);
     }
     return (uint8_t)idx;
 }

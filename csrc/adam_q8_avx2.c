@@ -46,18 +46,20 @@ OFL_AI __m256 dequant8(const float *val, const uint8_t *codes, __m256 scale) {
     return _mm256_mul_ps(_mm256_i32gather_ps(val, idx, 4), scale);
 }
 
-/* The codes of 8 values ([Note: nearest code by the float's bits]); every lane's
- * operands fit in 31 bits, so signed compares and maxima do. */
-OFL_AI __m256i code8(const uint32_t *lut, int32_t map, __m256 x, __m256 inv) {
+/* The codes of 8 values ([Note: the code of a value]); the decade's constants by permutes. */
+OFL_AI __m256i code8(const ofl_q8_tables *t, int32_t map, __m256 x, __m256 inv) {
     __m256i xb = _mm256_castps_si256(x);
     __m256 a = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(xb, _mm256_set1_epi32(0x7fffffff))), inv);
     a = _mm256_min_ps(a, _mm256_set1_ps(1.0f)); /* NaN -> 1 */
-    __m256i bits = _mm256_max_epi32(_mm256_castps_si256(a), _mm256_set1_epi32((int)OFL_Q8_LOW));
-    __m256i off = _mm256_sub_epi32(bits, _mm256_set1_epi32((int)OFL_Q8_LOW));
-    __m256i e = _mm256_i32gather_epi32((const int *)lut, _mm256_srli_epi32(off, OFL_Q8_SHIFT), 4);
-    __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(off, _mm256_set1_epi32(OFL_Q8_OFF_MASK)),
-                                    _mm256_and_si256(e, _mm256_set1_epi32(OFL_Q8_THR_MASK)));
-    __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(e, 17), up); /* up is -1 where true */
+    __m256i d = _mm256_setzero_si256();
+    for (int k = 0; k < t->decades[map] - 1; k++) /* a true compare is -1: subtract it */
+        d = _mm256_sub_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(t->thr[map][k]), _CMP_LE_OQ)));
+    __m256 p10 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->pow10[map]), d);
+    __m256 slope = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->slope[map]), d);
+    __m256i base = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)t->base[map]), d);
+    __m256 s = _mm256_mul_ps(_mm256_fmadd_ps(a, p10, _mm256_set1_ps(-0.1f)), slope);
+    __m256i idx = _mm256_add_epi32(base, _mm256_cvtps_epi32(s));
+    idx = _mm256_min_epi32(_mm256_max_epi32(idx, _mm256_setzero_si256()), _mm256_set1_epi32(t->top[map]));
     if (map == OFL_Q8_MAP_UNSIGNED) {
         __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
         return _mm256_max_epi32(idx, _mm256_and_si256(pos, _mm256_set1_epi32(1)));
@@ -88,10 +90,9 @@ void ofl_q8_quant_avx2(const ofl_q8_tables *t, int32_t map, const float *x, uint
     float s = ofl_bits_to_f32(amax);
     float inv = ofl_q8_inverse(s);
     *scale = s;
-    const uint32_t *lut = t->lut[map];
     __m256 vinv = _mm256_set1_ps(inv);
-    for (i = 0; i + 8 <= n; i += 8) store_codes8(codes + i, code8(lut, map, _mm256_loadu_ps(x + i), vinv));
-    for (; i < n; i++) codes[i] = ofl_q8_code1(lut, map, x[i], inv);
+    for (i = 0; i + 8 <= n; i += 8) store_codes8(codes + i, code8(t, map, _mm256_loadu_ps(x + i), vinv));
+    for (; i < n; i++) codes[i] = ofl_q8_code1(t, map, x[i], inv);
 }
 
 void ofl_q8_dequant_avx2(const ofl_q8_tables *t, int32_t map, const uint8_t *codes, float scale,

@@ -9,27 +9,53 @@
 
 OFL_AI __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u); }
 
-OFL_AI __m512 dequant16(const float *val, const uint8_t *codes, __m512 scale, __mmask16 k) {
-    __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes));
-    return _mm512_mul_ps(_mm512_i32gather_ps(idx, val, 4), scale);
+/* The 256 values of a map as 16 registers, looked up by permutes (a gather is slow on some CPUs). */
+typedef struct {
+    __m512 r[16];
+} table16;
+
+OFL_AI void load_table16(const float *val, table16 *tab) {
+    for (int i = 0; i < 16; i++) tab->r[i] = _mm512_loadu_ps(val + 16 * i);
 }
 
-/* The codes of 16 values ([Note: nearest code by the float's bits]). */
-OFL_AI __m512i code16(const uint32_t *lut, int32_t map, __m512 x, __m512 inv) {
+/* val[code] * scale for 16 codes. Signed map: its 128 magnitudes and the sign bit of the code. */
+OFL_AI __m512 dequant16(const table16 *tab, int32_t map, const uint8_t *codes, __m512 scale, __mmask16 k) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, codes));
+    __m512 q[8];
+    int pairs = map == OFL_Q8_MAP_SIGNED ? 4 : 8;
+    for (int i = 0; i < pairs; i++) q[i] = _mm512_permutex2var_ps(tab->r[2 * i], c, tab->r[2 * i + 1]);
+    __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+    __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
+    __m512 lo = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, q[0], q[1]), _mm512_mask_blend_ps(b5, q[2], q[3]));
+    if (map == OFL_Q8_MAP_SIGNED) {
+        __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+        lo = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(lo), sign));
+    } else {
+        __mmask16 b7 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(128));
+        __m512 hi = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, q[4], q[5]), _mm512_mask_blend_ps(b5, q[6], q[7]));
+        lo = _mm512_mask_blend_ps(b7, lo, hi);
+    }
+    return _mm512_mul_ps(lo, scale);
+}
+
+/* The codes of 16 values ([Note: the code of a value]); the decade's constants by permutes. */
+OFL_AI __m512i code16(const ofl_q8_tables *t, int32_t map, __m512 x, __m512 inv) {
     __m512i xb = _mm512_castps_si512(x);
     __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(xb, _mm512_set1_epi32(0x7fffffff))), inv);
     a = _mm512_min_ps(a, _mm512_set1_ps(1.0f)); /* NaN -> 1 */
-    __m512i bits = _mm512_max_epu32(_mm512_castps_si512(a), _mm512_set1_epi32((int)OFL_Q8_LOW));
-    __m512i off = _mm512_sub_epi32(bits, _mm512_set1_epi32((int)OFL_Q8_LOW));
-    __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(off, OFL_Q8_SHIFT), (const int *)lut, 4);
-    __m512i idx = _mm512_srli_epi32(e, 17);
-    __mmask16 up = _mm512_cmpgt_epu32_mask(_mm512_and_si512(off, _mm512_set1_epi32(OFL_Q8_OFF_MASK)),
-                                           _mm512_and_si512(e, _mm512_set1_epi32(OFL_Q8_THR_MASK)));
+    __m512i d = _mm512_setzero_si512();
     __m512i one = _mm512_set1_epi32(1);
-    idx = _mm512_mask_add_epi32(idx, up, idx, one);
+    for (int k = 0; k < t->decades[map] - 1; k++)
+        d = _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(a, _mm512_set1_ps(t->thr[map][k]), _CMP_LE_OQ), d, one);
+    __m512 p10 = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->pow10[map])));
+    __m512 slope = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->slope[map])));
+    __m512i base = _mm512_permutexvar_epi32(d, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)t->base[map])));
+    __m512 s = _mm512_mul_ps(_mm512_fmadd_ps(a, p10, _mm512_set1_ps(-0.1f)), slope);
+    __m512i idx = _mm512_add_epi32(base, _mm512_cvtps_epi32(s));
+    idx = _mm512_min_epi32(_mm512_max_epi32(idx, _mm512_setzero_si512()), _mm512_set1_epi32(t->top[map]));
     if (map == OFL_Q8_MAP_UNSIGNED) {
         __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-        return _mm512_mask_max_epu32(idx, pos, idx, one);
+        return _mm512_mask_max_epi32(idx, pos, idx, one);
     }
     return _mm512_or_si512(idx, _mm512_and_si512(_mm512_srli_epi32(xb, 24), _mm512_set1_epi32(0x80)));
 }
@@ -46,7 +72,7 @@ void ofl_q8_quant_avx512(const ofl_q8_tables *t, int32_t map, const float *x, ui
     *scale = s;
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
-        __m512i c = code16(t->lut[map], map, _mm512_maskz_loadu_ps(k, x + i), inv);
+        __m512i c = code16(t, map, _mm512_maskz_loadu_ps(k, x + i), inv);
         _mm512_mask_cvtepi32_storeu_epi8(codes + i, k, c);
     }
 }
@@ -54,9 +80,11 @@ void ofl_q8_quant_avx512(const ofl_q8_tables *t, int32_t map, const float *x, ui
 void ofl_q8_dequant_avx512(const ofl_q8_tables *t, int32_t map, const uint8_t *codes, float scale,
                            float *x, int64_t n) {
     __m512 s = _mm512_set1_ps(scale);
+    table16 tab;
+    load_table16(t->value[map], &tab);
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
-        _mm512_mask_storeu_ps(x + i, k, dequant16(t->value[map], codes + i, s, k));
+        _mm512_mask_storeu_ps(x + i, k, dequant16(&tab, map, codes + i, s, k));
     }
 }
 
@@ -70,7 +98,10 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
     const __m512 ibc2 = _mm512_set1_ps(c->inv_bias2_sqrt), decay = _mm512_set1_ps(c->decay_mul);
     const __m512 l2c = _mm512_set1_ps(c->l2_decay), gscale = _mm512_set1_ps(c->grad_scale);
     __m512 sm = _mm512_setzero_ps(), sv = _mm512_setzero_ps();
+    table16 tabs, tabu;
     if (sd == OFL_STATE_Q8) {
+        load_table16(t->value[OFL_Q8_MAP_SIGNED], &tabs);
+        load_table16(t->value[OFL_Q8_MAP_UNSIGNED], &tabu);
         sm = _mm512_set1_ps(ms[0]);
         sv = _mm512_set1_ps(vs[0]);
     }
@@ -79,8 +110,8 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
         __mmask16 k = tail_mask(n - i);
         __m512 m0, v0;
         if (sd == OFL_STATE_Q8) {
-            m0 = dequant16(t->value[OFL_Q8_MAP_SIGNED], (const uint8_t *)m + i, sm, k);
-            v0 = dequant16(t->value[OFL_Q8_MAP_UNSIGNED], (const uint8_t *)v + i, sv, k);
+            m0 = dequant16(&tabs, OFL_Q8_MAP_SIGNED, (const uint8_t *)m + i, sm, k);
+            v0 = dequant16(&tabu, OFL_Q8_MAP_UNSIGNED, (const uint8_t *)v + i, sv, k);
         } else {
             m0 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)m + i)), 16));

@@ -13,8 +13,7 @@ void ofl_q8_quant_scalar(const ofl_q8_tables *t, int32_t map, const float *x, ui
     float s = ofl_bits_to_f32(amax);
     float inv = ofl_q8_inverse(s);
     *scale = s;
-    const uint32_t *lut = t->lut[map];
-    for (int64_t i = 0; i < n; i++) codes[i] = ofl_q8_code1(lut, map, x[i], inv);
+    for (int64_t i = 0; i < n; i++) codes[i] = ofl_q8_code1(t, map, x[i], inv);
 }
 
 void ofl_q8_dequant_scalar(const ofl_q8_tables *t, int32_t map, const uint8_t *codes, float scale,
