@@ -51,6 +51,13 @@ static void build_decades(int map, int decades) {
         tens *= 10.0;
     }
     tables.decades[map] = decades;
+    for (int d = 0; d < OFL_Q8_DECADES_MAX; d++) tables.thr_or_none[map][d] = d < decades - 1 ? tables.thr[map][d] : -1.0f;
+    for (int e = 0; e < 32; e++) {
+        float upper = ldexpf(1.0f, 1 - e);
+        int count = 0;
+        for (int k = 0; k < decades - 1; k++) count += tables.thr[map][k] >= upper;
+        tables.first_decade[map][e] = count;
+    }
 }
 
 static void build_tables(void) {

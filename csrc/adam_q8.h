@@ -36,6 +36,12 @@ typedef struct {
     int32_t base[2][OFL_Q8_DECADES_MAX];     /* the code of decade d's first value, less one */
     int32_t decades[2];
     int32_t top[2];                          /* the largest magnitude code */
+    /* The decade by the float's exponent (AVX-512): for a in [2^-e, 2^(1-e)), e = 0..31 (all
+     * smaller a as e = 31), first_decade[e] counts the thresholds >= 2^(1-e), all of which a is
+     * under; at most one more (thr_or_none[first_decade[e]]) lies in the interval, as decades are
+     * wider than octaves. thr_or_none is thr with -1 for the last decade (none below it). */
+    int32_t first_decade[2][32];
+    float thr_or_none[2][OFL_Q8_DECADES_MAX];
 } ofl_q8_tables;
 
 /* Built once (pthread_once) by ofl_q8_tables_get; read only afterwards. */

@@ -43,30 +43,33 @@ OFL_AI __m512i code16(const ofl_q8_tables *t, int32_t map, __m512 x, __m512 inv)
     __m512i xb = _mm512_castps_si512(x);
     __m512 a = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(xb, _mm512_set1_epi32(0x7fffffff))), inv);
     a = _mm512_min_ps(a, _mm512_set1_ps(1.0f)); /* NaN -> 1 */
-    __m512i d = _mm512_setzero_si512();
     __m512i one = _mm512_set1_epi32(1);
-    for (int k = 0; k < t->decades[map] - 1; k++)
-        d = _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(a, _mm512_set1_ps(t->thr[map][k]), _CMP_LE_OQ), d, one);
+    __m512i e = _mm512_sub_epi32(_mm512_set1_epi32(127), _mm512_srli_epi32(_mm512_castps_si512(a), 23));
+    e = _mm512_min_epi32(e, _mm512_set1_epi32(31));
+    __m512i d = _mm512_permutex2var_epi32(_mm512_loadu_si512(t->first_decade[map]), e,
+                                          _mm512_loadu_si512(t->first_decade[map] + 16));
+    __m512 below = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->thr_or_none[map])));
+    d = _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(a, below, _CMP_LE_OQ), d, one);
     __m512 p10 = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->pow10[map])));
     __m512 slope = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->slope[map])));
     __m512i base = _mm512_permutexvar_epi32(d, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)t->base[map])));
     __m512 s = _mm512_mul_ps(_mm512_fmadd_ps(a, p10, _mm512_set1_ps(-0.1f)), slope);
+    /* s is in [-0.12, c_d] (a decade's own range, and below the last one's down to 0): no clamp */
     __m512i idx = _mm512_add_epi32(base, _mm512_cvtps_epi32(s));
-    idx = _mm512_min_epi32(_mm512_max_epi32(idx, _mm512_setzero_si512()), _mm512_set1_epi32(t->top[map]));
     if (map == OFL_Q8_MAP_UNSIGNED) {
         __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
         return _mm512_mask_max_epi32(idx, pos, idx, one);
     }
-    return _mm512_or_si512(idx, _mm512_and_si512(_mm512_srli_epi32(xb, 24), _mm512_set1_epi32(0x80)));
+    return _mm512_mask_or_epi32(idx, _mm512_movepi32_mask(xb), idx, _mm512_set1_epi32(0x80));
 }
 
-void ofl_q8_quant_avx512(const ofl_q8_tables *t, int32_t map, const float *x, uint8_t *codes,
-                         float *scale, int64_t n) {
-    __m512i amax = _mm512_setzero_si512();
-    for (int64_t i = 0; i < n; i += 16) {
-        __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(tail_mask(n - i), x + i));
-        amax = _mm512_max_epu32(amax, _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)));
-    }
+OFL_AI __m512i absmax16(__m512i amax, __m512 x, __mmask16 k) {
+    return _mm512_mask_max_epu32(amax, k, amax, _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)));
+}
+
+/* The codes of n values whose block maximum (|x|'s bits, lane-wise) is amax; the scale to *scale. */
+OFL_AI void codes_block16(const ofl_q8_tables *t, int32_t map, const float *x, uint8_t *codes, float *scale,
+                          int64_t n, __m512i amax) {
     float s = ofl_bits_to_f32((uint32_t)_mm512_reduce_max_epu32(amax));
     __m512 inv = _mm512_set1_ps(ofl_q8_inverse(s));
     *scale = s;
@@ -75,6 +78,16 @@ void ofl_q8_quant_avx512(const ofl_q8_tables *t, int32_t map, const float *x, ui
         __m512i c = code16(t, map, _mm512_maskz_loadu_ps(k, x + i), inv);
         _mm512_mask_cvtepi32_storeu_epi8(codes + i, k, c);
     }
+}
+
+void ofl_q8_quant_avx512(const ofl_q8_tables *t, int32_t map, const float *x, uint8_t *codes,
+                         float *scale, int64_t n) {
+    __m512i amax = _mm512_setzero_si512();
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = tail_mask(n - i);
+        amax = absmax16(amax, _mm512_maskz_loadu_ps(k, x + i), k);
+    }
+    codes_block16(t, map, x, codes, scale, n, amax);
 }
 
 void ofl_q8_dequant_avx512(const ofl_q8_tables *t, int32_t map, const uint8_t *codes, float scale,
@@ -106,6 +119,7 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
         sv = _mm512_set1_ps(vs[0]);
     }
     __m512 bad = _mm512_setzero_ps();
+    __m512i amax_m = _mm512_setzero_si512(), amax_v = _mm512_setzero_si512();
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
         __m512 m0, v0;
@@ -131,14 +145,16 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
         if (sd == OFL_STATE_Q8) {
             _mm512_store_ps(bm + i, mv);
             _mm512_store_ps(bv + i, vv);
+            amax_m = absmax16(amax_m, mv, k);
+            amax_v = absmax16(amax_v, vv, k);
         } else {
             _mm256_mask_storeu_epi16((uint16_t *)m + i, k, f32_to_bf16_16(mv));
             _mm256_mask_storeu_epi16((uint16_t *)v + i, k, f32_to_bf16_16(vv));
         }
     }
     if (sd == OFL_STATE_Q8) {
-        ofl_q8_quant_avx512(t, OFL_Q8_MAP_SIGNED, bm, (uint8_t *)m, ms, n);
-        ofl_q8_quant_avx512(t, OFL_Q8_MAP_UNSIGNED, bv, (uint8_t *)v, vs, n);
+        codes_block16(t, OFL_Q8_MAP_SIGNED, bm, (uint8_t *)m, ms, n, amax_m);
+        codes_block16(t, OFL_Q8_MAP_UNSIGNED, bv, (uint8_t *)v, vs, n, amax_v);
     }
     return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
 }
