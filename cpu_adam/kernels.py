@@ -227,7 +227,7 @@ def adam_step(
     bfloat16, or uint8 codes with their float32 block scales (``exp_avg_scales``,
     ``exp_avg_sq_scales``), are compressed states: ``cpu_adam.quant.adam_step_q`` steps them.
     """
-    if exp_avgs and exp_avgs[0].dtype is not torch.float32:
+    if exp_avgs and exp_avgs[0].dtype in (torch.bfloat16, torch.uint8):
         from cpu_adam.quant import adam_step_q  # it imports this module
         return adam_step_q(params, grads, exp_avgs, exp_avg_sqs, steps, config=config, grad_scale=grad_scale,
                            params_out=params_out, exp_avg_scales=exp_avg_scales,
