@@ -97,8 +97,9 @@ class CPUAdam(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("_state_dtype", StateDtype.FP32)
         super().__setstate__(state)
+        if not hasattr(self, "_state_dtype"):  # pickled before the option (load_state_dict keeps ours)
+            self._state_dtype = StateDtype.FP32
         self._plans = {}  # the state tensors may be new
         self._configs = {}
         for group in self.param_groups:

@@ -194,3 +194,23 @@ def test_training_tracks_torch_adamw(sd, tol):
     ours = train(lambda ps: CPUAdamW(ps, lr=3e-3, weight_decay=0.01, state_dtype=sd))
     assert theirs[-1] < 0.3 * theirs[0]  # it did learn
     assert np.all(np.abs(ours[50:] - theirs[50:]) <= tol * theirs[50:] + 1e-3), np.abs(ours - theirs).max()
+
+
+def test_optimizer_state_dict_moves_between_state_dtypes():
+    """A CPUAdamW state saved with fp32 moments loads into an int8 one (quantized: close) and back."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(1000, generator=gen))
+    opt = CPUAdamW([w], lr=1e-2)
+    for _ in range(3):
+        w.grad = torch.randn(1000, generator=gen)
+        opt.step()
+    saved = opt.state_dict()
+    q = CPUAdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-2, state_dtype="int8")
+    q.load_state_dict(saved)
+    st = next(iter(q.state.values()))
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_scale"].numel() == 4
+    m = dequantize(st["exp_avg"], st["exp_avg_scale"], signed=True)
+    torch.testing.assert_close(m, saved["state"][0]["exp_avg"], rtol=0.02, atol=0.02 * m.abs().max().item())
+    back = CPUAdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-2)
+    back.load_state_dict(q.state_dict())  # int8 codes (made float by torch's loader) -> fp32
+    assert torch.equal(next(iter(back.state.values()))["exp_avg"], m)

@@ -131,3 +131,11 @@ def test_estimate_follows_the_state_bytes(state_dtype, per):
                                  state_dtype=state_dtype)).row(stage=2, optimizer="nvme")
     assert row.nvme_bytes == per * n
     assert row.host_bytes == 4 * n + per * n
+
+
+def test_stage3_int8_states_track_torch_adamw(tmp_path):
+    ours_model, torch_model = twin_models()
+    batches = make_batches(STEPS, 8)
+    ours, _ = run_engine(ours_model, _config("cpu", tmp_path, "int8", stage=3), batches)
+    theirs = run_torch(torch_model, batches)[0]
+    assert_losses_close(ours, theirs, rel=0.05)
