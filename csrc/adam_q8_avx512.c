@@ -76,7 +76,7 @@ OFL_AI void codes_block16(const ofl_q8_tables *t, int32_t map, const float *x, u
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
         __m512i c = code16(t, map, _mm512_maskz_loadu_ps(k, x + i), inv);
-        _mm512_mask_cvtepi32_storeu_epi8(codes + i, k, c);
+        _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(c)); /* vpmovdb to memory is slow on Zen 4 */
     }
 }
 
@@ -132,25 +132,31 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
             v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)v + i)), 16));
         }
-        __m512 pv = _mm512_maskz_loadu_ps(k, p + i);
         __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, 1), gscale);
         bad = _mm512_add_ps(bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
-        if (l2) gv = _mm512_fmadd_ps(l2c, pv, gv);
+        if (l2) gv = _mm512_fmadd_ps(l2c, _mm512_maskz_loadu_ps(k, p + i), gv);
         __m512 mv = _mm512_fmadd_ps(b1, m0, _mm512_mul_ps(omb1, gv));
         __m512 vv = _mm512_fmadd_ps(b2, v0, _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));
-        __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), ibc2, eps);
-        pv = _mm512_fnmadd_ps(step, _mm512_div_ps(mv, den), _mm512_mul_ps(pv, decay));
-        _mm512_mask_storeu_ps(p + i, k, pv);
-        store_out16(od, out, i, pv, k, 1);
+        _mm512_store_ps(bm + i, mv);
+        _mm512_store_ps(bv + i, vv);
         if (sd == OFL_STATE_Q8) {
-            _mm512_store_ps(bm + i, mv);
-            _mm512_store_ps(bv + i, vv);
             amax_m = absmax16(amax_m, mv, k);
             amax_v = absmax16(amax_v, vv, k);
         } else {
             _mm256_mask_storeu_epi16((uint16_t *)m + i, k, f32_to_bf16_16(mv));
             _mm256_mask_storeu_epi16((uint16_t *)v + i, k, f32_to_bf16_16(vv));
         }
+    }
+    /* The update apart, a short loop whose square roots and divisions overlap from one vector
+     * to the next (in the loop above they wait behind the lookups). */
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 k = tail_mask(n - i);
+        __m512 pv = _mm512_maskz_loadu_ps(k, p + i);
+        __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(bv + i)), ibc2, eps);
+        pv = _mm512_fnmadd_ps(step, _mm512_div_ps(_mm512_load_ps(bm + i), den), _mm512_mul_ps(pv, decay));
+        _mm512_mask_storeu_ps(p + i, k, pv);
+        store_out16(od, out, i, pv, k, 1);
     }
     if (sd == OFL_STATE_Q8) {
         codes_block16(t, OFL_Q8_MAP_SIGNED, bm, (uint8_t *)m, ms, n, amax_m);
