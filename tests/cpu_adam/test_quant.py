@@ -214,3 +214,20 @@ def test_optimizer_state_dict_moves_between_state_dtypes():
     back = CPUAdamW([torch.nn.Parameter(w.detach().clone())], lr=1e-2)
     back.load_state_dict(q.state_dict())  # int8 codes (made float by torch's loader) -> fp32
     assert torch.equal(next(iter(back.state.values()))["exp_avg"], m)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("sd", ["bf16", "int8"])
+def test_a_non_finite_gradient_is_reported(isa, sd):
+    n = 1000
+    mo = zeros_moments((n,), sd)
+    g = torch.zeros(n)
+    g[997] = float("inf")  # in every ISA's tail handling
+    q8 = sd == "int8"
+    bad = adam_step([torch.zeros(n)], [g], [mo.exp_avg], [mo.exp_avg_sq], [torch.zeros(1)], config=AdamConfig(isa=isa),
+                    exp_avg_scales=[mo.exp_avg_scale] if q8 else None, exp_avg_sq_scales=[mo.exp_avg_sq_scale] if q8 else None)
+    assert bad is True
+    g[997] = 0.0
+    assert adam_step([torch.zeros(n)], [g], [mo.exp_avg], [mo.exp_avg_sq], [torch.zeros(1)], config=AdamConfig(isa=isa),
+                     exp_avg_scales=[mo.exp_avg_scale] if q8 else None,
+                     exp_avg_sq_scales=[mo.exp_avg_sq_scale] if q8 else None) is False  # gradients only
