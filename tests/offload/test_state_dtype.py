@@ -139,3 +139,18 @@ def test_stage3_int8_states_track_torch_adamw(tmp_path):
     ours, _ = run_engine(ours_model, _config("cpu", tmp_path, "int8", stage=3), batches)
     theirs = run_torch(torch_model, batches)[0]
     assert_losses_close(ours, theirs, rel=0.05)
+
+
+def test_consolidate_of_an_int8_run_gives_its_fp32_masters(tmp_path):
+    from offload.checkpoint import consolidate
+
+    engine = _trained(tmp_path, "int8")
+    try:
+        path = engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    finally:
+        engine.close()
+    state = consolidate(path, str(tmp_path / "out.pt"))
+    assert all(state[n].dtype == torch.float32 for n in params)
+    for n, p in params.items():  # the CPU model's params are the masters the step wrote
+        assert torch.equal(state[n], p), n
