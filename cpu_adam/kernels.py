@@ -43,7 +43,7 @@ __all__ = [
     "stream_inplace",
 ]
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 
@@ -214,6 +214,8 @@ def adam_step(
     config: AdamConfig,
     grad_scale: float = 1.0,
     params_out: Sequence[torch.Tensor] | None = None,
+    exp_avg_scales: Sequence[torch.Tensor] | None = None,
+    exp_avg_sq_scales: Sequence[torch.Tensor] | None = None,
 ) -> bool:
     """One Adam step over all tensors in one C call; returns True if a scaled gradient was not finite.
 
@@ -221,8 +223,15 @@ def adam_step(
     dtype among float32/bfloat16/float16, multiplied by ``grad_scale`` first. ``steps``:
     one-element float32 tensors, each incremented by one. ``params_out``: optional
     bfloat16/float16/float32 tensors that receive the updated params in the same pass.
-    For many calls over the same buffers, ``AdamPlan`` checks them once.
+    For many calls over the same buffers, ``AdamPlan`` checks them once. Moments of dtype
+    bfloat16, or uint8 codes with their float32 block scales (``exp_avg_scales``,
+    ``exp_avg_sq_scales``), are compressed states: ``cpu_adam.quant.adam_step_q`` steps them.
     """
+    if exp_avgs and exp_avgs[0].dtype in (torch.bfloat16, torch.uint8):
+        from cpu_adam.quant import adam_step_q  # it imports this module
+        return adam_step_q(params, grads, exp_avgs, exp_avg_sqs, steps, config=config, grad_scale=grad_scale,
+                           params_out=params_out, exp_avg_scales=exp_avg_scales,
+                           exp_avg_sq_scales=exp_avg_sq_scales)
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
     if params_out is not None:
@@ -339,13 +348,19 @@ def _template(config: AdamConfig) -> Any:
     return cfg
 
 
-def call_adam(config: AdamConfig, grad_scale: float, grad_code: int, out_code: int, tensors: tuple) -> bool:
-    """The one call of ofl_adam_step, over a struct from ``build_tensors``."""
+def config_struct(config: AdamConfig, grad_scale: float, grad_code: int, out_code: int) -> Any:
+    """The ofl_adam_config of one call."""
     cfg = ffi.new("ofl_adam_config *", _template(config)[0])
     cfg.grad_scale = grad_scale
     cfg.grad_dtype = grad_code
     cfg.out_dtype = out_code
     cfg.num_threads = config.num_threads or default_num_threads()
+    return cfg
+
+
+def call_adam(config: AdamConfig, grad_scale: float, grad_code: int, out_code: int, tensors: tuple) -> bool:
+    """The one call of ofl_adam_step, over a struct from ``build_tensors``."""
+    cfg = config_struct(config, grad_scale, grad_code, out_code)
     nonfinite = ffi.new("int32_t *")
     raise_errno(lib.ofl_adam_step(cfg, tensors[0], nonfinite), "ofl_adam_step")
     return bool(nonfinite[0])

@@ -355,3 +355,11 @@ int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t
     ofl_parallel_chunks(stream_chunk, &job, n, OFL_CHUNK_ELEMS, effective_threads(num_threads, n));
     return 0;
 }
+
+/* ---- for the compressed-state pass (adam_q8.c) ---- */
+
+void ofl_adam_coeffs_for(const ofl_adam_config *cfg, float *step, ofl_adam_coeffs *c) {
+    step_coeffs(cfg, step, c);
+}
+
+int32_t ofl_adam_resolve_isa(int32_t isa, int32_t *resolved) { return resolve_isa(isa, resolved); }

@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#define OFL_ADAM_ABI_VERSION 3
+#define OFL_ADAM_ABI_VERSION 4
 
 /* Instruction-set paths. AUTO picks the best the CPU and OS support. */
 #define OFL_ISA_AUTO 0
@@ -98,5 +98,55 @@ int32_t ofl_grad_land(const uint64_t *dsts, const uint64_t *srcs, const int64_t 
  * n floats (reads 16 bytes and writes 12 per element, as Adam does). */
 int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t n,
                            int32_t num_threads);
+
+/* ---- Adam with compressed moments (bf16, or 8-bit blockwise-quantized) ----
+ * [Note: quantized Adam states]
+ * The fp32 master stays; only exp_avg and exp_avg_sq are stored small. BF16: each
+ * moment a bfloat16 (round to nearest even). Q8: each moment a uint8 code per element
+ * and one float32 scale per block of OFL_Q8_BLOCK elements of a tensor (the block's
+ * absolute maximum; the last block may be shorter). A code indexes a 256-value map in
+ * [-1, 1] (exp_avg, OFL_Q8_MAP_SIGNED) or [0, 1] (exp_avg_sq, OFL_Q8_MAP_UNSIGNED):
+ * the dynamic (base-10 exponent) map of Dettmers et al. 2022, "8-bit Optimizers via
+ * Block-wise Quantization", see adam_q8.c. A value is map[code] * scale; quantizing
+ * picks the nearest map value to x / scale (a tie goes to the smaller), and a positive
+ * exp_avg_sq is never coded as zero, so sqrt(v) + eps never collapses for an element
+ * that has seen a gradient. One fused pass per block dequantizes, updates (the fp32
+ * update sees the fresh fp32 moments) and requantizes; threads take whole blocks, so
+ * every ISA and thread count gives the same bits. */
+#define OFL_STATE_F32 0
+#define OFL_STATE_BF16 1
+#define OFL_STATE_Q8 2
+#define OFL_Q8_BLOCK 256
+#define OFL_Q8_MAP_SIGNED 0
+#define OFL_Q8_MAP_UNSIGNED 1
+
+/* As ofl_adam_tensors; exp_avg/exp_avg_sq point at uint16 (BF16) or uint8 codes (Q8);
+ * the scales (Q8 only, else NULL) at float32[ceil(numel / OFL_Q8_BLOCK)] each. */
+typedef struct {
+    const uint64_t *param;
+    const uint64_t *grad;
+    const uint64_t *exp_avg;
+    const uint64_t *exp_avg_sq;
+    const uint64_t *exp_avg_scale;
+    const uint64_t *exp_avg_sq_scale;
+    const uint64_t *param_out;
+    const uint64_t *step;
+    const int64_t *numel;
+    int64_t count;
+} ofl_adam_qtensors;
+
+/* ofl_adam_step over compressed moments (state_dtype OFL_STATE_BF16 or _Q8); the same
+ * errors, and -EINVAL for another state_dtype. */
+int32_t ofl_adam_step_q(const ofl_adam_config *config, int32_t state_dtype,
+                        const ofl_adam_qtensors *tensors, int32_t *nonfinite_out);
+
+/* The 256 values of a Q8 map, ascending by code within each sign. */
+int32_t ofl_q8_map(int32_t map, float *values_out);
+
+/* x (n floats) -> codes (n bytes) and scales (ceil(n / OFL_Q8_BLOCK) floats), and back. */
+int32_t ofl_q8_quantize(const float *x, uint8_t *codes, float *scales, int64_t n, int32_t map,
+                        int32_t isa, int32_t num_threads);
+int32_t ofl_q8_dequantize(const uint8_t *codes, const float *scales, float *x, int64_t n,
+                          int32_t map, int32_t isa, int32_t num_threads);
 
 #endif /* OFL_ADAM_H */

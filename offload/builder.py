@@ -35,6 +35,7 @@ from offload.zero.layout import FlatLayout
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 from offload.zero.overlap import OverlappedStep, overlap_wanted
 from offload.zero.stage3 import build_stage3, replace_meta_params
+from offload.zero.state_format import StateFormat
 from offload.zero.states import StateStorage
 from offload.zero.unit_grads import UnitGradReducer
 from offload.zero.window import window_size
@@ -281,7 +282,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if tier is not None and ranks.device.type == "cuda":
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
-                               device=ranks.device, window=window)
+                               device=ranks.device, window=window, state_format=StateFormat(cfg.offload.state_dtype))
         if verdict in (RESUME, FINISH):
             storage.adopt()
         else:
@@ -345,11 +346,18 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, facade, loader, scheduler
 
 
+def _state_bytes(cfg: EngineConfig, layout: FlatLayout) -> list[int]:
+    """Each sub-group's state block in bytes, at ``offload.state_dtype``."""
+    fmt = StateFormat(cfg.offload.state_dtype)
+    return [fmt.state_bytes(sg) for sg in layout.sub_groups]
+
+
 def _state_window(cfg: EngineConfig, layout: FlatLayout) -> int:
     """State blocks in host memory at once with nvme: what the host budget holds, buffer_count at least.
     A daemon without ``offload.host_memory_bytes``: what its pool gives (offload.daemon_window)."""
     floor = cfg.zero.offload_optimizer.buffer_count
-    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None)
+    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None,
+                      state_bytes=_state_bytes(cfg, layout))
     socket = resolve_daemon_socket(cfg.offload)
     if socket and cfg.offload.host_memory_bytes is None:
         from offload.daemon_window import daemon_state_window
@@ -365,7 +373,8 @@ def _reattached_window(cfg: EngineConfig, layout: FlatLayout, tier: Tier, window
     from offload.daemon_window import reattached_window
     from offload.resume import COMMIT_BYTES
 
-    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None)
+    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None,
+                      state_bytes=_state_bytes(cfg, layout))
     return reattached_window(tier.store, plan.state_bytes, window, floor=cfg.zero.offload_optimizer.buffer_count,
                              fixed_bytes=plan.resident_bytes + COMMIT_BYTES,
                              largest_region_bytes=max(plan.region_bytes, default=0))
@@ -377,7 +386,7 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
     zero = cfg.zero
     nvme = zero.offload_optimizer.device == OffloadDevice.NVME
     plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=nvme,
-                      nvme_path=zero.offload_optimizer.nvme_path)
+                      nvme_path=zero.offload_optimizer.nvme_path, state_bytes=_state_bytes(cfg, layout))
 
     def open_() -> Tier:
         return open_tier(plan, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),

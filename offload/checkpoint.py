@@ -70,28 +70,38 @@ def _runs(layout) -> "OrderedDict[int, list[_Run]]":
 
 
 class _Resident:
-    """Sub-group state blocks held in host memory while a save or load walks them (LRU)."""
+    """Sub-group state blocks held in host memory while a save or load walks them (LRU).
+
+    Checkpoints hold the fp32 ``[master | exp_avg | exp_avg_sq]`` whatever ``offload.state_dtype``
+    is: a bf16 or int8 block is seen dequantized here, and a load quantizes what it wrote when the
+    block is given back, so a checkpoint loads into a run of any state dtype."""
 
     def __init__(self, storage, *, write: bool) -> None:
         self.storage = storage
         self.write = write
         self.capacity = max(1, storage.window - 1)
-        self._held: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._held: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # sg -> (block, fp32)
 
     def get(self, sg: int) -> torch.Tensor:
-        state = self._held.get(sg)
-        if state is not None:
+        held = self._held.get(sg)
+        if held is not None:
             self._held.move_to_end(sg)
-            return state
+            return held[1]
         while len(self._held) >= self.capacity:
-            old, _ = self._held.popitem(last=False)
-            self.storage.release(old, dirty=self.write)
-        state = self._held[sg] = self.storage.acquire(sg)
+            self._give_back(*self._held.popitem(last=False))
+        block = self.storage.acquire(sg)
+        state = self.storage.format.unpack(self.storage.layout.sub_groups[sg], block)
+        self._held[sg] = (block, state)
         return state
+
+    def _give_back(self, sg: int, held: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self.write:
+            self.storage.format.pack(self.storage.layout.sub_groups[sg], held[1], held[0])
+        self.storage.release(sg, dirty=self.write)
 
     def close(self) -> None:
         for sg in list(self._held):
-            self.storage.release(sg, dirty=self.write)
+            self._give_back(sg, self._held[sg])
         self._held.clear()
         self.storage.drain()
 

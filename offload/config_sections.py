@@ -370,6 +370,10 @@ class OffloadSectionConfig:
     overlap_step: bool | str = "auto"
     """Step sub-groups whose gradients have all landed while backward still runs
     (offload.zero.overlap): "auto" (on where the model computes on a GPU), true or false."""
+    state_dtype: str = "fp32"
+    """How the offloaded Adam moments are stored (the fp32 master is kept): "fp32" (the bit-exact
+    default), "bf16", or "int8" (blockwise dynamic 8-bit codes with a float32 scale per 256 elements;
+    see cpu_adam.quant). Needs offload_optimizer device cpu or nvme."""
     release_host_heap: bool = True
     """Hand the host heap's free pages back to the kernel at an optimizer step when resident memory
     has crept 64 MiB past where it settled, so it stays near what is live ([Note: host heap creep],
@@ -384,6 +388,8 @@ class OffloadSectionConfig:
         _int(self, "delayed_update_warmup_steps", 0)
         if self.overlap_step not in (True, False, "auto"):
             _fail(self, "overlap_step", 'true, false or "auto"')
+        if self.state_dtype not in ("fp32", "bf16", "int8"):
+            _fail(self, "state_dtype", '"fp32", "bf16" or "int8"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -431,6 +437,9 @@ class EngineConfig:
                                   "cpu or nvme (it overlaps the CPU's optimizer step with the next step)")
             if self.zero.stage == 3:
                 raise ConfigError("offload.delayed_update is not supported with zero_optimization.stage 3 yet")
+        if self.offload.state_dtype != "fp32" and self.zero.offload_optimizer.device is OffloadDevice.NONE:
+            raise ConfigError(f"offload.state_dtype {self.offload.state_dtype!r} needs zero_optimization."
+                              "offload_optimizer.device cpu or nvme (the compressed moments are stepped by the CPU)")
         if self.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
             _overlap_step_supported(self)
 

@@ -168,6 +168,9 @@ class EstimateInput:
     """offload.overlap_step."""
     delayed_update: bool = False
     """offload.delayed_update."""
+    state_dtype: str = "fp32"
+    """offload.state_dtype: the offloaded moments' storage (fp32 12, bf16 8, int8 ~6.03 bytes per element
+    with the master; ``offload.zero.state_format``)."""
 
     @classmethod
     def from_config(cls, config: Any, shapes: ModelShapes, *, world_size: int = 1,
@@ -183,7 +186,7 @@ class EstimateInput:
                    host_memory_bytes=cfg.offload.host_memory_bytes, daemon=bool(resolve_daemon_socket(cfg.offload)),
                    param_buffer_count=z.offload_param.buffer_count, max_live=z.stage3_max_live_parameters,
                    baseline_bytes=baseline_bytes, gpu=gpu, overlap_step=cfg.offload.overlap_step,
-                   delayed_update=cfg.offload.delayed_update)
+                   delayed_update=cfg.offload.delayed_update, state_dtype=cfg.offload.state_dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,6 +240,16 @@ def zero_formula_bytes(stage: int, params: int, world_size: int, compute_bytes: 
     raise ConfigError(f"stage must be 0-3, got {stage}")
 
 
+def state_block_bytes(numel: int, state_dtype: str) -> int:
+    """A sub-group's state block (``offload.zero.state_format``), its pieces taken as one tensor: each
+    further piece of a sub-group may add one int8 block's two scales (8 bytes)."""
+    if state_dtype == "bf16":
+        return 8 * numel
+    if state_dtype == "int8":
+        return _up(6 * numel, 4) + 8 * -(-numel // 256)
+    return 12 * numel
+
+
 def _sub_group_numels(partition: int, device: str, inp: EstimateInput) -> list[int]:
     """Elements per optimizer sub-group of a partition (capped when offloaded, as ``offload.builder`` cuts them)."""
     sub = min(inp.sub_group_size, SUB_GROUP_CAP) if device != "none" else inp.sub_group_size
@@ -249,15 +262,16 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput) -> list[tu
     if device == "none":
         return [("fp32 gradient accumulators", "device", 4 * partition), ("fp32 master + moments", "device", 12 * partition)]
     grads = sum(_up(4 * n, PAGE) for n in numels)
-    states = [_up(12 * n, PAGE) for n in numels]
+    states = [_up(state_block_bytes(n, inp.state_dtype), PAGE) for n in numels]
+    what = "fp32 master + moments" + ("" if inp.state_dtype == "fp32" else f" ({inp.state_dtype})")
     if device == "cpu":
-        return [("fp32 gradient accumulators", "host", grads), ("fp32 master + moments", "host", sum(states))]
+        return [("fp32 gradient accumulators", "host", grads), (what, "host", sum(states))]
     floor = max(2, inp.optimizer_buffer_count)
     blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
         states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
     window = sum(sorted(states, reverse=True)[:blocks])
     return [("fp32 gradient accumulators", "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
-            ("fp32 master + moments", "nvme", sum(states))]
+            (what, "nvme", sum(states))]
 
 
 def _stage012(stage: int, optimizer: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
@@ -281,7 +295,8 @@ def _staged_update_parts(stage: int, partition: int, optimizer: str, inp: Estima
     if overlap and optimizer == "cpu":
         numels = _sub_group_numels(partition, optimizer, inp)
         copies = min(len(numels), copies_that_fit(numels))
-        parts.append(("rollback copies (offload.overlap_step)", "host", 12 * sum(sorted(numels, reverse=True)[:copies])))
+        parts.append(("rollback copies (offload.overlap_step)", "host",
+                      sum(state_block_bytes(k, inp.state_dtype) for k in sorted(numels, reverse=True)[:copies])))
     return parts
 
 

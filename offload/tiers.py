@@ -138,11 +138,13 @@ def packed_quota_bytes(resident_bytes: int, largest_region_bytes: int, segment_b
     return -(-resident_bytes // usable) * segment_bytes
 
 
-def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | None) -> TierPlan:
+def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | None,
+               state_bytes: list[int] | None = None) -> TierPlan:
     """The plan for sub-groups of ``numels`` elements: an fp32 grad region (always resident) and
-    an fp32 state block of three times that per sub-group; with nvme only ``window`` blocks are held."""
+    a state block per sub-group, fp32 three times that unless ``state_bytes`` gives each block's size
+    (``offload.state_dtype``, ``offload.zero.state_format``); with nvme only ``window`` blocks are held."""
     grads = [4 * n for n in numels]
-    states = [12 * n for n in numels]
+    states = list(state_bytes) if state_bytes is not None else [12 * n for n in numels]
     resident = sum(align_up(g, PAGE) for g in grads)
     if nvme:
         biggest = sorted((align_up(s, PAGE) for s in states), reverse=True)[:window]

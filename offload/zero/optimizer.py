@@ -235,8 +235,9 @@ class PartitionedAdam:
             state = self.storage.acquire(i)
             self.storage.prefetch(order[i + 1:])
             sg = self.layout.sub_groups[i]
+            master = self.storage.format.master(sg, state)
             for p in sg.pieces:
-                self._out(p).copy_(state[p.sub_start:p.sub_start + p.numel])
+                self._out(p).copy_(master[p.sub_start:p.sub_start + p.numel])
             self.storage.release(i, dirty=False)
         self.storage.drain()
         if self._staging is not None:
@@ -259,9 +260,12 @@ class PartitionedAdam:
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
     def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float, plan: StepPlan) -> None:
+        grad = plan.grads[sg.index]
+        if not self.storage.format.fp32:
+            self._step_compressed(sg, state, grad, mult, plan)
+            return
         n = sg.numel
         master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
-        grad = plan.grads[sg.index]
         for group in sorted({p.group for p in sg.pieces}):
             in_group = [p for p in sg.pieces if p.group == group]
             # stage 3: a piece's output is a param shard that ``params_out`` may give back (and evict) when
@@ -283,6 +287,24 @@ class PartitionedAdam:
             adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
         else:
             _torch_adam(masters, grads, ms, vs, outs, hyper, mult, step_count)
+
+    def _step_compressed(self, sg: SubGroup, state: torch.Tensor, grad: torch.Tensor, mult: float,
+                         plan: StepPlan) -> None:
+        """``_step_sub_group`` over bf16 / int8 moments (``offload.zero.state_format``): one call per
+        param group, or per piece with stage 3, as the fp32 path."""
+        fmt = self.storage.format
+        for group in sorted({p.group for p in sg.pieces}):
+            in_group = [p for p in sg.pieces if p.group == group]
+            for pieces in ([p] for p in in_group) if self._params_out is not None else [in_group]:
+                views = [fmt.piece(sg, state, p) for p in pieces]
+                grads = [grad[p.sub_start:p.sub_start + p.numel] for p in pieces]
+                outs = [self._out(p) for p in pieces]
+                steps = [torch.full((1,), float(plan.step_count)) for _ in pieces]
+                q8 = views[0].exp_avg_scale is not None
+                adam_step([v.master for v in views], grads, [v.exp_avg for v in views], [v.exp_avg_sq for v in views],
+                          steps, config=plan.hypers[group], grad_scale=mult, params_out=outs,
+                          exp_avg_scales=[v.exp_avg_scale for v in views] if q8 else None,
+                          exp_avg_sq_scales=[v.exp_avg_sq_scale for v in views] if q8 else None)
 
     def _copy_staging_to_device(self) -> None:
         pairs = [(self.flat_params[p.flat_start:p.flat_start + p.numel], self._staging[p.part_start:p.part_start + p.numel])

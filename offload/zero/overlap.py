@@ -137,7 +137,9 @@ class OverlappedStep:
                         "rollback copies take up to %.2f GB of host memory (offload.overlap_step false: none)",
                         len(held), len(layout.sub_groups), 3 * F32 * sum(held) / 1e9)
         self._copies: list[torch.Tensor] = []  # rollback copies; the k-th early sub-group of a step uses the k-th
-        self._block_numel = 3 * max(sg.numel for sg in layout.sub_groups)
+        fmt = adam.storage.format  # a block's elements: 3 x numel fp32, or its bytes (offload.state_dtype)
+        self._block_numel = max(fmt.block_numel(sg) for sg in layout.sub_groups)
+        self._block_dtype = fmt.block_dtype()
         self._left: list[int] = []
         self._armed = False
         self._hopeless = False
@@ -216,7 +218,7 @@ class OverlappedStep:
         state = storage.acquire(sg)
         if not storage.nvme:
             while len(self._copies) <= k:
-                self._copies.append(torch.empty(self._block_numel, dtype=torch.float32))
+                self._copies.append(torch.empty(self._block_numel, dtype=self._block_dtype))
             self._copies[k][:state.numel()].copy_(state)
             self.backup_seconds += time.perf_counter() - t0
         self.adam.step_sub_group(sg, state, self._mult, self._plan)

@@ -73,8 +73,9 @@ class Stage3Parts:
         """After a checkpoint load: the compute-dtype shards from the fp32 masters, then regathered."""
         with torch.no_grad():
             for sg, state in adam.iter_states():
+                master = adam.storage.format.master(sg, state)
                 for piece in sg.pieces:
-                    self.shards.params_out(piece).copy_(state[piece.sub_start:piece.sub_start + piece.numel])
+                    self.shards.params_out(piece).copy_(master[piece.sub_start:piece.sub_start + piece.numel])
         self.coordinator.after_step()
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """The optimizer state of this rank's partition, per sub-group, wherever it lives.
 
-Each sub-group has two buffers of fp32:
-- its state block, ``[master | exp_avg | exp_avg_sq]`` (3 x numel): the unit of NVMe I/O;
+Each sub-group has two buffers:
+- its state block, ``[master | exp_avg | exp_avg_sq]`` (3 x numel fp32, or the smaller layouts of
+  ``offload.state_dtype`` bf16 / int8, see ``offload.zero.state_format``): the unit of NVMe I/O;
 - its gradient accumulator (numel): always resident, written as buckets land.
 
 With ``offload_optimizer`` none they are torch tensors on the model's device. With cpu or
@@ -20,6 +21,7 @@ import torch
 
 from csrc import ConfigError
 from offload.zero.layout import FlatLayout, SubGroup
+from offload.zero.state_format import StateFormat
 from offload.zero.window import HostWindow
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class StateStorage:
     """Sub-group state blocks and gradient accumulators over a tier (or device tensors)."""
 
     def __init__(self, layout: FlatLayout, *, tier: Any | None, nvme: bool, device: torch.device,
-                 window: int, prefix: str = "") -> None:
+                 window: int, prefix: str = "", state_format: StateFormat | None = None) -> None:
         if nvme and tier is None:
             raise ConfigError("NVMe offload needs a tier")
         self.layout = layout
@@ -52,6 +54,9 @@ class StateStorage:
         self.device = device
         self.window = max(2, window)
         self._prefix = prefix
+        self.format = state_format or StateFormat()
+        if tier is None and not self.format.fp32:
+            raise ConfigError("offload.state_dtype bf16/int8 needs the optimizer state offloaded (cpu or nvme)")
         self._tensors: dict[str, torch.Tensor] = {}  # device tensors (none), or cached host views (cpu)
         self._placement = [Placement.DEVICE if tier is None else Placement.HOST for _ in layout.sub_groups]
         self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
@@ -70,10 +75,10 @@ class StateStorage:
     def _grad_name(self, sg: int) -> str:
         return f"{self._prefix}grad.{sg}"
 
-    def _view(self, name: str, numel: int, cache: bool) -> torch.Tensor:
+    def _view(self, name: str, numel: int, cache: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         t = self._tensors.get(name)
         if t is None:
-            t = torch.frombuffer(self.tier.host_view(name), dtype=torch.float32, count=numel)
+            t = torch.frombuffer(self.tier.host_view(name), dtype=dtype, count=numel)
             if cache:
                 self._tensors[name] = t
         return t
@@ -90,10 +95,10 @@ class StateStorage:
                 self.tier.allocate(self._grad_name(sg.index), n * F32)
                 self._view(self._grad_name(sg.index), n, cache=True).zero_()
                 self._window.make_room()
-                self.tier.allocate(self._state_name(sg.index), 3 * n * F32)
+                self.tier.allocate(self._state_name(sg.index), self.format.state_bytes(sg))
                 self._placement[sg.index] = Placement.RESIDENT if self.nvme else Placement.HOST
                 self.state(sg.index).zero_()
-            fill_master(sg, self.state(sg.index)[:n])
+            fill_master(sg, self.format.master(sg, self.state(sg.index)))
             if self.nvme:
                 self.release(sg.index, dirty=True)
         self.drain()
@@ -102,6 +107,12 @@ class StateStorage:
         """Take over the regions a previous process of this session left in the tier (a resume):
         settle what was in flight, and with nvme write back what is still in host memory."""
         self.tier.flush()
+        for sg in self.layout.sub_groups:  # the session's blocks must be of this run's state dtype
+            held, want = self.tier.info(self._state_name(sg.index)).nbytes, self.format.state_bytes(sg)
+            if held != want:
+                raise ConfigError(f"the session's state block of sub-group {sg.index} is {held} bytes, this run's "
+                                  f"offload.state_dtype {self.format.state_dtype.value!r} needs {want}: resume with "
+                                  "the state dtype it was started with")
         if self.nvme:
             names = [self._state_name(sg.index) for sg in self.layout.sub_groups]
             held = [n for n in names if self.tier.info(n).tier.value != "nvme"]
@@ -133,11 +144,12 @@ class StateStorage:
         where = self._placement[sg]
         if where == Placement.DEVICE:
             return self._tensors[name]
+        group = self.layout.sub_groups[sg]
         if where == Placement.HOST:
-            return self._view(name, 3 * self.layout.sub_groups[sg].numel, cache=True)
+            return self._view(name, self.format.block_numel(group), cache=True, dtype=self.format.block_dtype())
         if where != Placement.RESIDENT:
             raise ConfigError(f"sub-group {sg}'s state is {where.value}: acquire it first")
-        return self._view(name, 3 * self.layout.sub_groups[sg].numel, cache=False)
+        return self._view(name, self.format.block_numel(group), cache=False, dtype=self.format.block_dtype())
 
     # -- the window (offload.zero.window) ------------------------------------------------
 
@@ -190,7 +202,7 @@ class StateStorage:
         out = {"device": 0, "host": 0, "nvme": 0}
         for sg, where in zip(self.layout.sub_groups, self._placement):
             key = {Placement.DEVICE: "device", Placement.NVME: "nvme", Placement.IN_FLIGHT: "in_flight"}.get(where, "host")
-            out[key] = out.get(key, 0) + 3 * sg.numel * F32
+            out[key] = out.get(key, 0) + self.format.state_bytes(sg)
         return out
 
     def close(self) -> None:

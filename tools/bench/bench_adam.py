@@ -20,12 +20,17 @@ Cases (a shape is "N params x T tensors", the params split evenly):
         fastest of two equivalent sequences (convert grads, fused AdamW with or without its
         own grad_scale, copy params to bf16), each timed whole.
 
+  states  the int8-state step (cpu_adam.quant: uint8 codes + block scales, fused dequantize /
+        update / requantize) against the fp32-state and the bf16-state step, one functional
+        adam_step each over the same fp32 params and grads; its memory share is its bytes a param
+        (16.06: param 8, grad 4, moments 2 x 2, scales) at its rate over the streaming pass's GB/s.
+
 The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32) or
 >= 1.3x torch's fastest sequence (bf16), and >= 0.9 of the roofline where the four
 arrays (16 B a param) exceed the last-level cache. The load average (1 minute) at the
 end of each case is in the summary: other work on the machine moves every figure.
 
-Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8]
+Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8] [--states 1e7 1e8]
        [--rounds R] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
@@ -58,6 +63,9 @@ SAMPLE_SECONDS = 0.01  # one sample of a contender times a block of steps this l
 DEFAULT_SHAPES = ["1e5x1000", "1e6x1", "1e6x100", "1e6x1000", "1e7x1", "1e7x10", "1e7x100",
                   "1e7x1000", "1e8x1", "1e8x100", "1e8x1000"]
 DEFAULT_BF16 = ["1e6", "1e7", "1e8"]
+DEFAULT_STATES = ["1e7", "1e8"]
+STATE_BYTES = {"fp32_states": 28.0, "bf16_states": 20.0, "ours": 16.0 + 16 / 256}  # a param moved, grads fp32
+TARGET_INT8_VS_FP32 = 1.6
 TARGET_VS_TORCH = {"fp32": 1.0, "bf16": 1.3}  # ours / torch fused (bf16: its fastest sequence)
 TARGET_VS_ROOFLINE = 0.9  # where the arrays exceed the last-level cache
 ROOFLINE_BYTES_PER_PARAM = 16  # the four float32 arrays that must not fit in the LLC
@@ -157,6 +165,54 @@ def bf16_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
     }
 
 
+def state_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
+    """One adam_step over n params with fp32 grads, its moments fp32 (on huge pages, as CPUAdam's),
+    bf16, or int8 ("ours"); and the streaming pass."""
+    from cpu_adam.quant import zeros_moments
+
+    gen = torch.Generator().manual_seed(2)
+    grad = torch.randn(n, generator=gen)
+    cfg = AdamConfig(lr=LR, weight_decay=WD, num_threads=threads)
+    out = {}
+    for name, sd in (("fp32_states", "fp32"), ("bf16_states", "bf16"), ("ours", "int8")):
+        p, step = torch.randn(n, generator=gen), torch.zeros(())
+        mo = zeros_moments((n,), sd)
+        if sd == "fp32":
+            mo = mo._replace(exp_avg=zeros_state_like(p), exp_avg_sq=zeros_state_like(p))
+        scales = ([mo.exp_avg_scale], [mo.exp_avg_sq_scale]) if sd == "int8" else (None, None)
+        out[name] = (lambda p=p, mo=mo, step=step, scales=scales: adam_step(
+            [p], [grad], [mo.exp_avg], [mo.exp_avg_sq], [step], config=cfg,
+            exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1]))
+    out["roofline"] = _roofline(n, threads, huge_moments=True)
+    return out
+
+
+def state_rows(case: str, n: int, samples: dict[str, list[float]], summary: dict[str, dict[str, str]]) -> list[str]:
+    """The int8 state step against the fp32 and bf16 ones, and its share of the stream's bytes."""
+    rows = []
+    for name, values in samples.items():
+        mps = [n / s / 1e6 for s in values]
+        med = statistics.median(mps)
+        per = STATE_BYTES.get(name, BYTES_PER_PARAM)
+        rows.append(f"| {case} | {name} | {med:,.0f} ({_pct(mps, 0.1):,.0f}-{_pct(mps, 0.9):,.0f}) "
+                    f"| {med * per / 1e3:.1f} at {per:.2f} B | |")
+    for a, b in (("ours", "fp32_states"), ("ours", "bf16_states"), ("bf16_states", "fp32_states")):
+        ratios = [sb / sa for sa, sb in zip(samples[a], samples[b])]
+        text = f"{statistics.median(ratios):.2f}x ({_pct(ratios, 0.1):.2f}-{_pct(ratios, 0.9):.2f})"
+        summary.setdefault(case, {})[f"{a}/{b}"] = text
+        rows.append(f"| {case} | {a} / {b} | | | **{text}** (min-max {min(ratios):.2f}-{max(ratios):.2f}) |")
+    for name in ("ours", "fp32_states"):
+        shares = [(STATE_BYTES[name] / s) / (BYTES_PER_PARAM / r) for s, r in zip(samples[name], samples["roofline"])]
+        text = f"{statistics.median(shares):.2f} ({_pct(shares, 0.1):.2f}-{_pct(shares, 0.9):.2f})"
+        summary[case][f"{name} roofline"] = text
+        rows.append(f"| {case} | {name} GB/s / stream GB/s | | | {text} |")
+    got = _median_ratio(summary[case]["ours/fp32_states"])
+    summary[case]["targets"] = (f"int8 / fp32 states >= {TARGET_INT8_VS_FP32}x: "
+                                f"{'met' if got >= TARGET_INT8_VS_FP32 else '**not met**'}")
+    summary[case]["load"] = f"{os.getloadavg()[0]:.2f}"
+    return rows
+
+
 def _reps_for(fn: Callable[[], None]) -> int:
     """Steps per sample: enough for about SAMPLE_SECONDS, so that fast cases are not timer noise."""
     fn()  # warm up: state allocation, first touch
@@ -211,7 +267,11 @@ def summary_table(summary: dict[str, dict[str, str]]) -> list[str]:
             "| --- | --- | --- | --- | --- |"]
     for case, ratios in summary.items():
         torch_ratio = ratios.get("torch_fused", ratios.get("torch_fastest", ""))
-        rows.append(f"| {case} | {torch_ratio} | {ratios.get('roofline', '')} | {ratios.get('targets', '')} "
+        roof = ratios.get("roofline", "")
+        if "ours/fp32_states" in ratios:  # a state-dtype case: against the fp32-state step
+            torch_ratio = f"int8 / fp32 states {ratios['ours/fp32_states']}; int8 / bf16 {ratios['ours/bf16_states']}"
+            roof = f"int8 {ratios['ours roofline']}, fp32 states {ratios['fp32_states roofline']} (bytes)"
+        rows.append(f"| {case} | {torch_ratio} | {roof} | {ratios.get('targets', '')} "
                     f"| {ratios.get('load', '')} |")
     return rows
 
@@ -308,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="fp32 cases, N params x T tensors")
     ap.add_argument("--bf16", nargs="*", default=DEFAULT_BF16, help="sizes of the bf16 offload step")
+    ap.add_argument("--states", nargs="*", default=DEFAULT_STATES, help="sizes of the state-dtype cases")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case; default by size (40-200)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--foreach", action="store_true", help="also time AdamW(foreach=True)")
@@ -350,6 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         case = f"bf16 offload step {n:.0e} ({rounds} rounds)"
         rows += _emit(summarize(case, n, samples, ["torch_fastest", "roofline"], summary))
         judge(case, "bf16", n, llc, summary)
+        gc.collect()
+    for text in args.states:
+        n = int(float(text))
+        rounds = _rounds_for(n, args.rounds)
+        samples = measure(state_contenders(n, args.threads), rounds)
+        rows += _emit(state_rows(f"states {n:.0e} ({rounds} rounds)", n, samples, summary))
+        del samples
         gc.collect()
     footer = summary_table(summary) + ["", f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     print("\n".join(footer), flush=True)
