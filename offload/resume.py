@@ -50,8 +50,8 @@ memory, which of its chunks are done and the old values of each piece in flight,
 restores those pieces and runs what is left of the pass. With nvme the block is marked dirty
 before its pass starts (``StateStorage.will_write``), so the daemon writes back the host copy
 the pass was writing, never drops it for the copy on NVMe from before the step. With no record
-(the overlapped step and the delayed update step sub-groups on another thread while backward or
-forward runs, with no record yet) the state is torn, as before.
+(the overlapped step and the delayed update: why not, in their modules' notes and the README's
+"Surviving crashes") the state is torn, as before.
 
 A region whose step is still -1 was never committed (the trainer died before its first step
 finished: in its first forward, say). Its session holds nothing a restart needs, so it is a
