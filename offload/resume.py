@@ -186,9 +186,13 @@ def undo_slots() -> int:
 def session_fixed_bytes(plan: Any) -> int:
     """What a daemon session holds besides the optimizer state: the commit region and the undo log
     (for sub-groups of the plan's largest gradient region), page-aligned."""
+    return fixed_bytes_for(max(plan.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
+
+
+def fixed_bytes_for(max_elems: int) -> int:
+    """``session_fixed_bytes`` for sub-groups of at most ``max_elems`` elements."""
     from cpu_adam.undo import undo_bytes
 
-    max_elems = max(plan.region_bytes, default=0) // 4  # >= the largest sub-group (its grad region: 4 bytes each)
     page = 4096
     return COMMIT_BYTES + -(-undo_bytes(undo_slots(), max_elems) // page) * page
 
