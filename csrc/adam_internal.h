@@ -95,6 +95,12 @@ int32_t ofl_adam_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int
 int32_t ofl_adam_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
                                    float *p, const void *g, float *m, float *v, void *out,
                                    int64_t n);
+int32_t ofl_adam_to_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                  float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                  float *dp, float *dm, float *dv);
+int32_t ofl_adam_to_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                      float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                      float *dp, float *dm, float *dv);
 void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_land_kernel_avx2(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst, void *src,
@@ -225,6 +231,20 @@ static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtyp
     int32_t NAME(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype, float *p,  \
                  const void *g, float *m, float *v, void *out, int64_t n) {                  \
         /* the L2 term is left out at 0: 0 * inf would turn an inf param into NaN */          \
+        if (c->l2_decay != 0.0f) OFL_ADAM_GRAD_CASES(LOOP, 1)                                 \
+        OFL_ADAM_GRAD_CASES(LOOP, 0)                                                          \
+    }
+
+/* The same with the new master and moments written to (dp, dm, dv) instead of in place
+ * (the redo log of adam_undo.c); the param copy still goes to out. */
+typedef int32_t (*ofl_adam_to_kernel_fn)(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                         float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                         float *dp, float *dm, float *dv);
+
+#define OFL_DEFINE_ADAM_TO_KERNEL(NAME, LOOP)                                                   \
+    int32_t NAME(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype, float *p,  \
+                 const void *g, float *m, float *v, void *out, int64_t n, float *dp, float *dm, \
+                 float *dv) {                                                                 \
         if (c->l2_decay != 0.0f) OFL_ADAM_GRAD_CASES(LOOP, 1)                                 \
         OFL_ADAM_GRAD_CASES(LOOP, 0)                                                          \
     }

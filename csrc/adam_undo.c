@@ -22,6 +22,15 @@
  * numbered by the caller; the header's call word says how many are done and whether the
  * next is in flight.
  *
+ * [Note: redo slots]
+ * On the AVX-512 paths the slot is a redo record instead: the kernel reads the sub-chunk's old
+ * values where they are and writes the new master and moments into the slot (cache-resident),
+ * then the word says the slot holds them (bit 31 set with the half bit) and they are copied
+ * over the old. A kill before that word leaves the sub-chunk untouched; after it, the restart
+ * copies the slot in again and goes on after the sub-chunk. The copy of the undo form, a
+ * separate read of the old values ahead of the kernel's, made the pass about 2x slower
+ * (tools/bench/bench_undo.py); this form reads nothing twice from memory.
+ *
  * Every word changes with one aligned 8-byte store, ordered after what it describes
  * (release stores; compiler fences around the kernel): a process killed between two
  * stores leaves a state one of the readings above describes. (A killed process's stores
@@ -40,12 +49,13 @@
  *     32  u64  call word: (calls done << 1) | 1 while call `calls done` is in flight
  *     40  24 bytes reserved (0)
  *   slot s, at 64 + s * (64 + 12 * OFL_UNDO_SUB_ELEMS):
- *     0   u64  word: ~0 (empty), or (chunk << 32) | (offset in the chunk << 1) | half
+ *     0   u64  word: ~0 (empty), or (chunk << 32) | redo << 31 | (offset in the chunk << 1) | half
  *              (elements of the chunk before the offset are updated, those from it are not,
- *              except with half = 1 the sub-chunk at the offset, whose old values follow)
+ *              except with half = 1 the sub-chunk at the offset, whose old values follow, or
+ *              with redo = 1 its new values, partly copied over the old)
  *     8   i64  elements of that sub-chunk
  *     16  48 bytes reserved
- *     64  old master, then exp_avg, then exp_avg_sq: OFL_UNDO_SUB_ELEMS floats each
+ *     64  old (or new) master, then exp_avg, then exp_avg_sq: OFL_UNDO_SUB_ELEMS floats each
  *   done map, after the last slot: one byte per chunk of the call in flight (1 = done).
  */
 #define _GNU_SOURCE
@@ -61,6 +71,7 @@
 #define UNDO_HEADER_BYTES 64
 #define SLOT_HEAD_BYTES 64
 #define SLOT_EMPTY UINT64_MAX
+#define SLOT_REDO (1ull << 31) /* [Note: redo slots] */
 #define SLOT_STRIDE ((int64_t)SLOT_HEAD_BYTES + 12 * (int64_t)OFL_UNDO_SUB_ELEMS)
 
 static const char UNDO_MAGIC[8] = {'O', 'F', 'L', 'U', 'N', 'D', 'O', '1'};
@@ -172,6 +183,7 @@ typedef struct {
     int64_t call;
     int64_t total;
     int32_t threads;
+    ofl_adam_to_kernel_fn to_kernel; /* the redo form's kernel, or NULL: the undo form */
     uint32_t claimed[OFL_MAX_THREADS]; /* slots held by a running chunk */
 } undo_job;
 
@@ -191,14 +203,45 @@ static void copy_sub(const ofl_adam_tensors *t, undo_slot *slot, int64_t i, int6
     }
 }
 
+/* The redo form of a sub-chunk ([Note: redo slots]): the new values into the slot, then the
+ * slot into the tensors. */
+static void redo_sub(chunk_walk *cw, int64_t i, int64_t off, int64_t n, uint64_t word, int die) {
+    ofl_adam_job *job = cw->uj->job;
+    const ofl_adam_tensors *t = job->t;
+    int32_t gd = job->cfg->grad_dtype, od = job->cfg->out_dtype;
+    char *g = (char *)(uintptr_t)t->grad[i] + off * (gd == OFL_DTYPE_F32 ? 4 : 2);
+    char *out = od == OFL_DTYPE_NONE ? NULL : (char *)(uintptr_t)t->param_out[i] + off * (od == OFL_DTYPE_F32 ? 4 : 2);
+    int32_t bad = cw->uj->to_kernel(&job->coeffs[i], gd, od, (float *)(uintptr_t)t->param[i] + off, g,
+                                    (float *)(uintptr_t)t->exp_avg[i] + off,
+                                    (float *)(uintptr_t)t->exp_avg_sq[i] + off, out, n, slot_data(cw->slot, 0),
+                                    slot_data(cw->slot, 1), slot_data(cw->slot, 2));
+    if (bad) __atomic_store_n(&job->nonfinite, 1, __ATOMIC_RELAXED);
+    cw->slot->n = n;
+    __atomic_store_n(&cw->slot->word, word | 1u, __ATOMIC_RELEASE); /* the slot holds the new values */
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    if (die) {
+        copy_sub(t, cw->slot, i, off, n / 2, 0);
+        kill(getpid(), SIGKILL);
+        for (;;) pause();
+    }
+    copy_sub(t, cw->slot, i, off, n, 0);
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
 static void logged_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
     chunk_walk *cw = (chunk_walk *)ctx;
     ofl_adam_job *job = cw->uj->job;
     for (int64_t a = 0; a < len; a += OFL_UNDO_SUB_ELEMS) {
         int64_t n = len - a < OFL_UNDO_SUB_ELEMS ? len - a : OFL_UNDO_SUB_ELEMS;
         int64_t at = job->starts[i] + off + a - cw->lo; /* offset in the chunk */
-        uint64_t word = ((uint64_t)cw->chunk << 32) | ((uint64_t)at << 1);
+        uint64_t word = ((uint64_t)cw->chunk << 32) | ((uint64_t)at << 1) | (cw->uj->to_kernel ? SLOT_REDO : 0);
         __atomic_store_n(&cw->slot->word, word, __ATOMIC_RELEASE); /* [0, at) updated, the rest not */
+        if (cw->uj->to_kernel) {
+            redo_sub(cw, i, off + a, n, word,
+                     __atomic_load_n(&fault_call, __ATOMIC_ACQUIRE) == cw->uj->call && fault_chunk == cw->chunk &&
+                         at >= fault_offset);
+            continue;
+        }
         copy_sub(job->t, cw->slot, i, off + a, n, 1);
         cw->slot->n = n;
         __atomic_store_n(&cw->slot->word, word | 1u, __ATOMIC_RELEASE); /* the sub-chunk at `at` may be half written */
@@ -244,7 +287,7 @@ static int32_t finish_in_flight(undo_job *uj, int64_t chunks, int64_t *restored)
         undo_slot *slot = slot_at(u, s);
         uint64_t word = __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE);
         if (word == SLOT_EMPTY) continue;
-        int64_t k = (int64_t)(word >> 32), at = (int64_t)((word >> 1) & 0x7fffffffu);
+        int64_t k = (int64_t)(word >> 32), at = (int64_t)((word >> 1) & 0x3fffffffu);
         if (k >= chunks || at > OFL_CHUNK_ELEMS) return -EINVAL;
         if (__atomic_load_n(&u->map[k], __ATOMIC_ACQUIRE)) continue;
         int64_t lo = k * OFL_CHUNK_ELEMS;
@@ -254,8 +297,9 @@ static int32_t finish_in_flight(undo_job *uj, int64_t chunks, int64_t *restored)
             int64_t count = uj->job->t->count, i = 0;
             while (i < count && starts[i + 1] <= pos) i++;
             if (i >= count || n < 1 || n > OFL_UNDO_SUB_ELEMS || pos + n > starts[i + 1]) return -EINVAL;
-            copy_sub(uj->job->t, slot, i, pos - starts[i], n, 0);
+            copy_sub(uj->job->t, slot, i, pos - starts[i], n, 0); /* old values back, or new ones in */
             (*restored)++;
+            if (word & SLOT_REDO) at += n;
         }
         run_logged(uj, s, k, lo + at);
     }
@@ -298,6 +342,10 @@ int32_t ofl_adam_step_undo(const ofl_adam_config *cfg, const ofl_adam_tensors *t
     uj->u = &u;
     uj->call = call;
     uj->total = total;
+#if OFL_HAVE_X86
+    if (job.kernel == ofl_adam_kernel_avx512) uj->to_kernel = ofl_adam_to_kernel_avx512;
+    if (job.kernel == ofl_adam_kernel_avx512bf16) uj->to_kernel = ofl_adam_to_kernel_avx512bf16;
+#endif
     int32_t threads = ofl_effective_threads(cfg->num_threads, total);
     uj->threads = threads < u.slots ? threads : u.slots;
     if (!in_flight) { /* [0, call) done, none in flight; then clear the map and slots; then in flight */
