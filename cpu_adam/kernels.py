@@ -43,7 +43,7 @@ __all__ = [
     "stream_inplace",
 ]
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 

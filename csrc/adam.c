@@ -7,13 +7,6 @@
 
 /* Below this many elements a thread costs more to wake than it saves. */
 #define OFL_MIN_ELEMS_PER_THREAD 65536
-/* The grid of the virtual concatenation that work is cut on (256 KiB of each fp32
- * stream): each thread walks its own run of chunks, then steals whole chunks
- * ([Note: static shares with stealing]). The grid is the same for every thread count,
- * so a tensor is cut at the same places (the AVX2 path's scalar tails) and the grad
- * norm's per-chunk partials are the same: results do not depend on the thread count.
- * A multiple of 64, so chunks start on whole cache lines of every stream. */
-#define OFL_CHUNK_ELEMS 65536
 
 int32_t ofl_adam_abi_version(void) { return OFL_ADAM_ABI_VERSION; }
 
@@ -74,7 +67,7 @@ static ofl_sumsq_kernel_fn sumsq_kernel_for(int32_t isa) {
 
 static int64_t dtype_bytes(int32_t dtype) { return dtype == OFL_DTYPE_F32 ? 4 : 2; }
 
-static int32_t effective_threads(int32_t requested, int64_t total) {
+int32_t ofl_effective_threads(int32_t requested, int64_t total) {
     int64_t useful = total / OFL_MIN_ELEMS_PER_THREAD;
     if (useful < 1) useful = 1;
     return useful < requested ? (int32_t)useful : requested;
@@ -82,11 +75,9 @@ static int32_t effective_threads(int32_t requested, int64_t total) {
 
 /* ---- walking a thread's share of a virtual concatenation of tensors ---- */
 
-typedef void (*segment_fn)(void *ctx, int64_t tensor, int64_t offset, int64_t len);
-
 /* starts has count + 1 entries: starts[i] is where tensor i begins. */
-static void walk_share(const int64_t *starts, int64_t count, int64_t lo, int64_t hi,
-                       segment_fn visit, void *ctx) {
+void ofl_walk_share(const int64_t *starts, int64_t count, int64_t lo, int64_t hi,
+                    ofl_segment_fn visit, void *ctx) {
     if (lo >= hi) return;
     int64_t a = 0, b = count - 1; /* first tensor whose end is past lo */
     while (a < b) {
@@ -101,7 +92,7 @@ static void walk_share(const int64_t *starts, int64_t count, int64_t lo, int64_t
     }
 }
 
-static int64_t *prefix_starts(const int64_t *numel, int64_t count) {
+int64_t *ofl_prefix_starts(const int64_t *numel, int64_t count) {
     int64_t *starts = malloc((size_t)(count + 1) * sizeof *starts);
     if (!starts) return NULL;
     starts[0] = 0;
@@ -111,17 +102,8 @@ static int64_t *prefix_starts(const int64_t *numel, int64_t count) {
 
 /* ---- Adam ---- */
 
-typedef struct {
-    const ofl_adam_config *cfg;
-    const ofl_adam_tensors *t;
-    const ofl_adam_coeffs *coeffs;
-    const int64_t *starts;
-    ofl_adam_kernel_fn kernel;
-    int32_t nonfinite;
-} adam_job;
-
-static void adam_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
-    adam_job *job = (adam_job *)ctx;
+void ofl_adam_job_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
+    ofl_adam_job *job = (ofl_adam_job *)ctx;
     const ofl_adam_tensors *t = job->t;
     int32_t od = job->cfg->out_dtype;
     char *g = (char *)(uintptr_t)t->grad[i] + off * dtype_bytes(job->cfg->grad_dtype);
@@ -136,9 +118,9 @@ static void adam_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
 }
 
 static void adam_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
-    adam_job *job = (adam_job *)ctx;
+    ofl_adam_job *job = (ofl_adam_job *)ctx;
     (void)chunk;
-    walk_share(job->starts, job->t->count, lo, hi, adam_segment, job);
+    ofl_walk_share(job->starts, job->t->count, lo, hi, ofl_adam_job_segment, job);
 }
 
 static int32_t check_adam_args(const ofl_adam_config *cfg, const ofl_adam_tensors *t) {
@@ -177,17 +159,16 @@ static void step_coeffs(const ofl_adam_config *cfg, float *step, ofl_adam_coeffs
     c->grad_scale = (float)cfg->grad_scale;
 }
 
-int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,
-                      int32_t *nonfinite_out) {
+int32_t ofl_adam_job_init(ofl_adam_job *job, const ofl_adam_config *cfg, const ofl_adam_tensors *t) {
     int32_t rc = check_adam_args(cfg, t);
     if (rc) return rc;
     int32_t isa;
     rc = resolve_isa(cfg->isa, &isa);
     if (rc) return rc;
-    if (nonfinite_out) *nonfinite_out = 0;
+    *job = (ofl_adam_job){cfg, t, NULL, NULL, adam_kernel_for(isa), 0};
     if (t->count == 0) return 0;
 
-    int64_t *starts = prefix_starts(t->numel, t->count);
+    int64_t *starts = ofl_prefix_starts(t->numel, t->count);
     ofl_adam_coeffs *coeffs = malloc((size_t)t->count * sizeof *coeffs);
     if (!starts || !coeffs) {
         free(starts);
@@ -205,14 +186,30 @@ int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,
             step_coeffs(cfg, step, &coeffs[i]);
         }
     }
+    job->starts = starts;
+    job->coeffs = coeffs;
+    return 0;
+}
 
-    adam_job job = {cfg, t, coeffs, starts, adam_kernel_for(isa), 0};
-    int64_t total = starts[t->count];
+void ofl_adam_job_free(ofl_adam_job *job) {
+    free(job->starts);
+    free(job->coeffs);
+    job->starts = NULL;
+    job->coeffs = NULL;
+}
+
+int32_t ofl_adam_step(const ofl_adam_config *cfg, const ofl_adam_tensors *t,
+                      int32_t *nonfinite_out) {
+    ofl_adam_job job;
+    int32_t rc = ofl_adam_job_init(&job, cfg, t);
+    if (rc) return rc;
+    if (nonfinite_out) *nonfinite_out = 0;
+    if (t->count == 0) return 0;
+    int64_t total = job.starts[t->count];
     ofl_parallel_chunks(adam_chunk, &job, total, OFL_CHUNK_ELEMS,
-                        effective_threads(cfg->num_threads, total));
+                        ofl_effective_threads(cfg->num_threads, total));
     if (nonfinite_out) *nonfinite_out = job.nonfinite;
-    free(starts);
-    free(coeffs);
+    ofl_adam_job_free(&job);
     return 0;
 }
 
@@ -258,7 +255,7 @@ static void sumsq_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
 static void sumsq_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
     sumsq_job *job = (sumsq_job *)ctx;
     sumsq_visit sv = {job, chunk};
-    walk_share(job->starts, job->count, lo, hi, sumsq_segment, &sv);
+    ofl_walk_share(job->starts, job->count, lo, hi, sumsq_segment, &sv);
 }
 
 /* Checks shared by the sum of squares and the landing; 0 or -EINVAL. */
@@ -276,7 +273,7 @@ static int32_t check_sumsq_args(const uint64_t *grads, const uint64_t *dsts, con
 static int32_t run_sumsq(sumsq_job *job, const int64_t *numel, int32_t num_threads, double *sumsq_out) {
     *sumsq_out = 0.0;
     if (job->count == 0) return 0;
-    int64_t *starts = prefix_starts(numel, job->count);
+    int64_t *starts = ofl_prefix_starts(numel, job->count);
     int64_t total = starts ? starts[job->count] : 0;
     int64_t chunks = (total + OFL_CHUNK_ELEMS - 1) / OFL_CHUNK_ELEMS;
     double *partial = calloc((size_t)(chunks > 0 ? chunks : 1), sizeof *partial);
@@ -287,7 +284,7 @@ static int32_t run_sumsq(sumsq_job *job, const int64_t *numel, int32_t num_threa
     }
     job->starts = starts;
     job->partial = partial;
-    ofl_parallel_chunks(sumsq_chunk, job, total, OFL_CHUNK_ELEMS, effective_threads(num_threads, total));
+    ofl_parallel_chunks(sumsq_chunk, job, total, OFL_CHUNK_ELEMS, ofl_effective_threads(num_threads, total));
     double s = 0.0;
     for (int64_t i = 0; i < chunks; i++) s += partial[i];
     *sumsq_out = s;
@@ -352,7 +349,7 @@ int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t
                            int32_t num_threads) {
     if (n < 0 || num_threads < 1 || (n > 0 && (!a || !b || !c || !d))) return -EINVAL;
     stream_job job = {a, b, c, d, n};
-    ofl_parallel_chunks(stream_chunk, &job, n, OFL_CHUNK_ELEMS, effective_threads(num_threads, n));
+    ofl_parallel_chunks(stream_chunk, &job, n, OFL_CHUNK_ELEMS, ofl_effective_threads(num_threads, n));
     return 0;
 }
 

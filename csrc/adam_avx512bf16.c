@@ -11,4 +11,5 @@
 #include "adam_avx512_loop.h"
 
 OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx512bf16, adam_loop16)
+OFL_DEFINE_ADAM_TO_KERNEL(ofl_adam_to_kernel_avx512bf16, OFL_ADAM_LOOP16_TO)
 #endif /* OFL_HAVE_X86 */

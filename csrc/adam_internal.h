@@ -33,6 +33,42 @@ typedef int32_t (*ofl_adam_kernel_fn)(const ofl_adam_coeffs *c, int32_t grad_dty
                                       int32_t out_dtype, float *p, const void *g, float *m,
                                       float *v, void *out, int64_t n);
 
+/* The grid of the virtual concatenation that work is cut on (256 KiB of each fp32
+ * stream): each thread walks its own run of chunks, then steals whole chunks
+ * ([Note: static shares with stealing]). The grid is the same for every thread count,
+ * so a tensor is cut at the same places (the AVX2 path's scalar tails) and the grad
+ * norm's per-chunk partials are the same: results do not depend on the thread count.
+ * A multiple of 64, so chunks start on whole cache lines of every stream. */
+#define OFL_CHUNK_ELEMS 65536
+
+/* ---- one Adam call's work, shared by ofl_adam_step (adam.c) and the undo-logged pass
+ * (adam_undo.c) ---- */
+
+typedef struct {
+    const ofl_adam_config *cfg;
+    const ofl_adam_tensors *t;
+    ofl_adam_coeffs *coeffs; /* per tensor */
+    int64_t *starts;         /* count + 1 prefix sums of numel */
+    ofl_adam_kernel_fn kernel;
+    int32_t nonfinite;
+} ofl_adam_job;
+
+/* Validates the call, resolves the ISA and, when count > 0, derives each tensor's
+ * constants (incrementing its step) and the prefix starts. 0 or -errno (nothing modified,
+ * nothing to free). */
+int32_t ofl_adam_job_init(ofl_adam_job *job, const ofl_adam_config *cfg, const ofl_adam_tensors *t);
+void ofl_adam_job_free(ofl_adam_job *job);
+/* The update of elements [off, off + len) of tensor i (an ofl_segment_fn over a job). */
+void ofl_adam_job_segment(void *ctx, int64_t i, int64_t off, int64_t len);
+
+typedef void (*ofl_segment_fn)(void *ctx, int64_t tensor, int64_t offset, int64_t len);
+/* Visits the pieces of tensors that [lo, hi) of the virtual concatenation covers. */
+void ofl_walk_share(const int64_t *starts, int64_t count, int64_t lo, int64_t hi,
+                    ofl_segment_fn visit, void *ctx);
+int64_t *ofl_prefix_starts(const int64_t *numel, int64_t count);
+/* The threads worth waking for `total` elements, at most `requested`. */
+int32_t ofl_effective_threads(int32_t requested, int64_t total);
+
 /* Sum of squares of n gradient elements, added to *acc. */
 typedef void (*ofl_sumsq_kernel_fn)(int32_t dtype, const void *g, int64_t n, double *acc);
 
@@ -59,6 +95,12 @@ int32_t ofl_adam_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int
 int32_t ofl_adam_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
                                    float *p, const void *g, float *m, float *v, void *out,
                                    int64_t n);
+int32_t ofl_adam_to_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                  float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                  float *dp, float *dm, float *dv);
+int32_t ofl_adam_to_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                      float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                      float *dp, float *dm, float *dv);
 void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_land_kernel_avx2(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst, void *src,
@@ -189,6 +231,20 @@ static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtyp
     int32_t NAME(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype, float *p,  \
                  const void *g, float *m, float *v, void *out, int64_t n) {                  \
         /* the L2 term is left out at 0: 0 * inf would turn an inf param into NaN */          \
+        if (c->l2_decay != 0.0f) OFL_ADAM_GRAD_CASES(LOOP, 1)                                 \
+        OFL_ADAM_GRAD_CASES(LOOP, 0)                                                          \
+    }
+
+/* The same with the new master and moments written to (dp, dm, dv) instead of in place
+ * (the redo log of adam_undo.c); the param copy still goes to out. */
+typedef int32_t (*ofl_adam_to_kernel_fn)(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                         float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                         float *dp, float *dm, float *dv);
+
+#define OFL_DEFINE_ADAM_TO_KERNEL(NAME, LOOP)                                                   \
+    int32_t NAME(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype, float *p,  \
+                 const void *g, float *m, float *v, void *out, int64_t n, float *dp, float *dm, \
+                 float *dv) {                                                                 \
         if (c->l2_decay != 0.0f) OFL_ADAM_GRAD_CASES(LOOP, 1)                                 \
         OFL_ADAM_GRAD_CASES(LOOP, 0)                                                          \
     }

@@ -14,8 +14,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cffi_header import make_builder  # noqa: E402  (a sibling file, not the package)
 
-SOURCES = ["adam.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c", "adam_avx512bf16.c", "ofl_parallel.c",
-           "adam_q8.c", "adam_q8_scalar.c", "adam_q8_avx2.c", "adam_q8_avx512.c"]
+SOURCES = ["adam.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c", "adam_avx512bf16.c", "adam_undo.c",
+           "ofl_parallel.c", "adam_q8.c", "adam_q8_scalar.c", "adam_q8_avx2.c", "adam_q8_avx512.c"]
 
 ffibuilder = make_builder("_adam", "ofl_adam.h", SOURCES, flags=["-O3", "-fno-math-errno"], libraries=["m"])
 

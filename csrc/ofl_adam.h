@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#define OFL_ADAM_ABI_VERSION 4
+#define OFL_ADAM_ABI_VERSION 5
 
 /* Instruction-set paths. AUTO picks the best the CPU and OS support. */
 #define OFL_ISA_AUTO 0
@@ -74,6 +74,38 @@ int32_t ofl_adam_best_isa(void);
  * isa cannot run here; -ENOMEM. Nothing is modified when an error is returned. */
 int32_t ofl_adam_step(const ofl_adam_config *config, const ofl_adam_tensors *tensors,
                       int32_t *nonfinite_out);
+
+/* ---- the undo-logged step: a pass that a killed process's restart can finish
+ * (adam_undo.c, [Note: undo log]) ---- */
+
+/* Elements of the piece whose old values a thread keeps before updating it. */
+#define OFL_UNDO_SUB_ELEMS 4096
+
+/* Bytes of an undo buffer with `slots` thread slots for calls of up to max_elems
+ * elements, or -EINVAL. */
+int64_t ofl_adam_undo_bytes(int32_t slots, int64_t max_elems);
+
+/* Lays out a fresh undo buffer (64-byte aligned, at least ofl_adam_undo_bytes long). */
+int32_t ofl_adam_undo_init(void *undo, int64_t undo_bytes, int32_t slots, int64_t max_elems);
+
+/* A new pass begins: no call of it is done. */
+int32_t ofl_adam_undo_begin(void *undo, int64_t undo_bytes);
+
+/* ofl_adam_step as call number `call` of a pass (0, 1, ... in order), keeping the undo log
+ * in `undo` as it goes, on at most the buffer's slots threads. resume 0: the call runs
+ * whole. resume 1 (a restart of the pass, same tensors and constants): a call the log says
+ * is done does nothing; the call in flight has its half-written pieces restored
+ * (*restored_out counts them) and its chunks not done run; later calls run whole.
+ * The results are bit for bit ofl_adam_step's. -EINVAL also for a buffer that is not an
+ * undo log of this build, or a resumed call after the one in flight; -E2BIG: more
+ * elements than the buffer was made for. */
+int32_t ofl_adam_step_undo(const ofl_adam_config *config, const ofl_adam_tensors *tensors, void *undo,
+                           int64_t undo_bytes, int64_t call, int32_t resume, int32_t *nonfinite_out,
+                           int64_t *restored_out);
+
+/* For tests: the process SIGKILLs itself halfway through the first sub-chunk at or after
+ * element `offset` of chunk `chunk` of call `call` of an undo-logged pass (call -1: never). */
+int32_t ofl_adam_undo_fault(int64_t call, int64_t chunk, int64_t offset);
 
 /* Sum of squares, in double, of `count` gradient buffers of one dtype. A result
  * that is inf or NaN means some gradient was not finite. */

@@ -27,7 +27,8 @@ from offload.meta_init import init_fn_of, init_record_of
 from offload.pretrained import pending_load_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
-from offload.resume import FINISH, FRESH, RESUME, TORN, CommitRegion, agree, inspect_session
+from offload.resume import (FINISH, FRESH, RESUME, TORN, CommitRegion, agree, inspect_session, open_undo, undo_exists,
+                            undo_slots)
 from offload.schedulers import build_scheduler
 from offload.tiers import Tier, open_tier, plan_bytes
 from offload.zero.grads import GradReducer
@@ -318,6 +319,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             reducer.land_early = True  # [Note: landing early] in offload.zero.overlap
         if tier is not None and tier.daemon:
             engine.commit = commit or CommitRegion(tier.store, existing=False)
+            if cfg.offload.state_dtype == "fp32":  # compressed states' passes have no undo log: cut inside one is torn
+                adam.undo = open_undo(tier.store, existing=verdict in (RESUME, FINISH) and undo_exists(tier.store),
+                                      slots=undo_slots(), max_elems=max(sg.numel for sg in layout.sub_groups))
             _stop_on_sigterm(engine)
         if verdict == FINISH:  # [Note: restartable step] in offload.resume
             engine.finish_step(*payload["step_record"])
@@ -361,9 +365,10 @@ def _state_window(cfg: EngineConfig, layout: FlatLayout) -> int:
     socket = resolve_daemon_socket(cfg.offload)
     if socket and cfg.offload.host_memory_bytes is None:
         from offload.daemon_window import daemon_state_window
-        from offload.resume import COMMIT_BYTES
+        from offload.resume import session_fixed_bytes
 
-        return daemon_state_window(socket, plan.state_bytes, floor=floor, fixed_bytes=plan.resident_bytes + COMMIT_BYTES,
+        return daemon_state_window(socket, plan.state_bytes, floor=floor,
+                                   fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
                                    largest_region_bytes=max(plan.region_bytes, default=0))
     return window_size(plan.state_bytes, floor=floor, fixed_bytes=plan.resident_bytes,
                        host_memory_bytes=cfg.offload.host_memory_bytes, what="optimizer state")
@@ -371,12 +376,12 @@ def _state_window(cfg: EngineConfig, layout: FlatLayout) -> int:
 
 def _reattached_window(cfg: EngineConfig, layout: FlatLayout, tier: Tier, window: int) -> int:
     from offload.daemon_window import reattached_window
-    from offload.resume import COMMIT_BYTES
+    from offload.resume import session_fixed_bytes
 
     plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None,
                       state_bytes=_state_bytes(cfg, layout))
     return reattached_window(tier.store, plan.state_bytes, window, floor=cfg.zero.offload_optimizer.buffer_count,
-                             fixed_bytes=plan.resident_bytes + COMMIT_BYTES,
+                             fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
                              largest_region_bytes=max(plan.region_bytes, default=0))
 
 

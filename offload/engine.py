@@ -331,17 +331,19 @@ class Engine:
         else:
             self.adam.step(multiplier)
 
-    def finish_step(self, record: dict[str, Any], done: int) -> None:
+    def finish_step(self, record: dict[str, Any], done: int, in_pass: bool = False) -> None:
         """A restarted rank finishes the step its predecessor was killed in, from the step record
-        ([Note: restartable step]): the small state as the step began, the sub-groups from ``done`` on,
-        then the step's bookkeeping. The params are the caller's to rebuild from the masters after."""
+        ([Note: restartable step]): the small state as the step began, the sub-groups from ``done`` on
+        (``in_pass``: the first of them from where its cut Adam pass left the undo log), then the
+        step's bookkeeping. The params are the caller's to rebuild from the masters after."""
         from offload.zero.optimizer import StepPlan
 
         self.restore_small_state(record["small"])
         grads = [self.adam.storage.grad(i) for i in range(len(self.layout.sub_groups))]
         plan = StepPlan(record["step_count"], record["hypers"], grads)
         self.adam.step_count = record["step_count"] + 1
-        self.adam.step_states(record["multiplier"], plan, skip=frozenset(range(done)), progress=self.commit)
+        self.adam.step_states(record["multiplier"], plan, skip=frozenset(range(done)), progress=self.commit,
+                              resume=in_pass)
         self.adam.storage.drain()
         self._count_step(False)
         self.micro_steps += 1
@@ -460,6 +462,9 @@ class Engine:
         self.reducer.close()
         if self.commit is not None:
             self.commit.release()
+        if self.adam.undo is not None:
+            self.adam.undo.release()
+            self.adam.undo = None
         if self.stage3 is not None:
             self.stage3.close()
         if keep_session and self.tier is not None:

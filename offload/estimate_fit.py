@@ -119,12 +119,13 @@ def smallest_change(rows, configured, machine: Machine):
 
 def daemon_sizes(row, world_size: int) -> tuple[int, int, int]:
     """(per-session quota, sessions per rank, pool capacity) for ``row`` through a node daemon: each
-    session's host parts plus the commit region, page-rounded; the quota is the larger session's, the
-    pool holds every session of every rank (all on one node)."""
-    from offload.resume import COMMIT_BYTES
+    session's host parts plus the commit region and the undo log, page-rounded; the quota is the larger
+    session's, the pool holds every session of every rank (all on one node)."""
+    from offload.estimate import SUB_GROUP_CAP
+    from offload.resume import fixed_bytes_for
 
     sessions = []
-    for names, commit in ((OPTIMIZER_SESSION_PARTS, COMMIT_BYTES), (PARAM_SESSION_PARTS, 0)):
+    for names, commit in ((OPTIMIZER_SESSION_PARTS, fixed_bytes_for(SUB_GROUP_CAP)), (PARAM_SESSION_PARTS, 0)):
         held = sum(n for what, where, n in row.parts if where == "host" and what in names)
         if held:
             sessions.append(-(-(held + commit) // 4096) * 4096)

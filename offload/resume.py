@@ -40,13 +40,18 @@ it got:
 
 The gradients the step reads are daemon regions already (the accumulators) and the Adam pass
 only reads them, so with the record they are the whole input. A rank killed inside the step
-with a valid record and no pass running is finished by its restart (``Engine.finish_step``):
-the sub-groups from ``done`` on are stepped from the committed inputs, then the params are
-rebuilt from the masters and the step's bookkeeping (LR schedule, loss scale, counters) runs
-as it would have: bit-equal to a run never killed. Killed inside a pass (the sub-group is half
-updated; a per-chunk undo record in the C pass is what would make that restartable too), or
-with no record (the overlapped step and the delayed update step sub-groups on another thread
-while backward or forward runs, with no record yet), the state is torn, as before.
+with a valid record is finished by its restart (``Engine.finish_step``): the sub-groups from
+``done`` on are stepped from the committed inputs, then the params are rebuilt from the masters
+and the step's bookkeeping (LR schedule, loss scale, counters) runs as it would have: bit-equal
+to a run never killed. Killed inside a sub-group's Adam pass (the sub-group whose pass is
+running is then ``done`` itself), the pass is finished from the undo log (region
+``engine.undo``, [Note: undo log] in ``csrc/adam_undo.c``): the C pass kept, in the daemon's
+memory, which of its chunks are done and the old values of each piece in flight, so the restart
+restores those pieces and runs what is left of the pass. With nvme the block is marked dirty
+before its pass starts (``StateStorage.will_write``), so the daemon writes back the host copy
+the pass was writing, never drops it for the copy on NVMe from before the step. With no record
+(the overlapped step and the delayed update: why not, in their modules' notes and the README's
+"Surviving crashes") the state is torn, as before.
 
 A region whose step is still -1 was never committed (the trainer died before its first step
 finished: in its first forward, say). Its session holds nothing a restart needs, so it is a
@@ -64,9 +69,10 @@ from csrc import ConfigError, SessionError, StateTornError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMIT_BYTES", "CommitRegion", "daemon_lost"]
+__all__ = ["COMMIT_BYTES", "CommitRegion", "daemon_lost", "open_undo"]
 
 COMMIT_NAME = "engine.commit"
+UNDO_NAME = "engine.undo"
 COMMIT_BYTES = 256 << 10
 MAGIC = b"OFLCMT01"
 _HEADER = struct.Struct("<8sIIqq")
@@ -149,17 +155,56 @@ class CommitRegion:
         """Sub-groups [0, done) are stepped (and marked dirty): no pass is running."""
         self._view[RECORD_AT + 16:RECORD_AT + 32] = struct.pack("<qq", done, NO_PASS)
 
-    def read_record(self) -> tuple[dict[str, Any], int] | None:
-        """(payload, sub-groups done) of a step that can be finished; None if there is none, or it was
-        cut inside an Adam pass."""
+    def read_record(self) -> tuple[dict[str, Any], int, bool] | None:
+        """(payload, sub-groups done, whether sub-group ``done``'s pass was running) of a step that can
+        be finished; None if there is none."""
         magic, valid, _, done, in_pass, length = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
-        if magic != RECORD_MAGIC or valid != 1 or in_pass != NO_PASS:
+        if magic != RECORD_MAGIC or valid != 1 or in_pass not in (NO_PASS, done):
             return None
         at = RECORD_AT + _RECORD.size
-        return pickle.loads(bytes(self._view[at:at + length])), done
+        return pickle.loads(bytes(self._view[at:at + length])), done, in_pass != NO_PASS
 
     def release(self) -> None:
         self._view = None
+
+
+def undo_exists(store: Any) -> bool:
+    try:
+        store.info(UNDO_NAME)
+    except ConfigError:
+        return False
+    return True
+
+
+def undo_slots() -> int:
+    """Thread slots of the undo log: one per core this process may run on (the Adam pass's threads)."""
+    from cpu_adam import default_num_threads
+
+    return max(1, min(256, default_num_threads()))
+
+
+def session_fixed_bytes(plan: Any) -> int:
+    """What a daemon session holds besides the optimizer state: the commit region and the undo log
+    (for sub-groups of the plan's largest gradient region), page-aligned."""
+    return fixed_bytes_for(max(plan.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
+
+
+def fixed_bytes_for(max_elems: int) -> int:
+    """``session_fixed_bytes`` for sub-groups of at most ``max_elems`` elements."""
+    from cpu_adam.undo import undo_bytes
+
+    page = 4096
+    return COMMIT_BYTES + -(-undo_bytes(undo_slots(), max_elems) // page) * page
+
+
+def open_undo(store: Any, *, existing: bool, slots: int, max_elems: int):
+    """The session's undo log ([Note: restartable step]): made for ``slots`` threads and sub-groups of up
+    to ``max_elems`` elements, or the one a previous process of the session left."""
+    from cpu_adam.undo import UndoLog, undo_bytes
+
+    if not existing:
+        store.allocate(UNDO_NAME, undo_bytes(slots, max_elems))
+    return UndoLog(store.host_view(UNDO_NAME), fresh=not existing, slots=slots, max_elems=max_elems)
 
 
 def _fits(data: bytes, room: int) -> None:
@@ -174,7 +219,8 @@ FRESH, RESUME, TORN, FINISH = "fresh", "resume", "torn", "finish"
 def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, CommitRegion | None]:
     """What this rank's session holds: (verdict, step, payload, commit region). FINISH: a step that
     can be finished ([Note: restartable step]); its step is the one it reaches, and the payload
-    is the last commit's with the step record under "step_record" as (record, sub-groups done)."""
+    is the last commit's with the step record under "step_record" as (record, sub-groups done, whether
+    a pass was cut: then the undo log must be there)."""
     if not CommitRegion.exists(store):
         return FRESH, -1, None, None
     commit = CommitRegion(store, existing=True)
@@ -183,6 +229,8 @@ def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, Commit
         return FRESH, step, None, None
     if marker != COMMITTED:
         record = commit.read_record() if payload is not None else None
+        if record is not None and record[2] and not undo_exists(store):
+            record = None  # cut inside a pass by a version without the undo log
         if record is None:
             return TORN, step, payload, commit
         return FINISH, step + 1, dict(payload, step_record=record), commit

@@ -93,9 +93,9 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
     if daemon_socket:
         from daemon import TierClient, TierClientConfig
 
-        from offload.resume import COMMIT_BYTES
+        from offload.resume import session_fixed_bytes
 
-        resident = align_up(host_bytes + COMMIT_BYTES, PAGE)
+        resident = align_up(host_bytes + session_fixed_bytes(plan), PAGE)
         client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank, quota_bytes=resident))
         packed = packed_quota_bytes(resident, max(plan.region_bytes, default=0), client.segment_bytes)
         if packed > client.quota_bytes and not client.reattached:

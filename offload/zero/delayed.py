@@ -31,6 +31,14 @@ lr 3e-3, ordinary against delayed after 20 / 100 steps, mean loss over steps 271
 2.146 ordinary, 2.337 delayed). One stale step costs this small model a lot; judge it on the
 curve of the model at hand.
 
+With the daemon, a kill while the background pass runs leaves a torn state (refused, naming the
+last checkpoint), not one a restart finishes ([Note: restartable step] in offload.resume): every
+other step the pass reads the spare gradient set, which is this process's memory, not a daemon
+region; and a delayed run resumed from the daemon is not bit-equal to the uninterrupted one even
+between steps (above: the params rebuilt from the masters are one update ahead), so finishing the
+step (spare set as daemon regions, the record written before ``start``) would buy a resume, not
+exactness.
+
 Not yet: stage 3 (the update writes the param shards the hooks gather from), and a step
 whose state is on the GPU (offload_optimizer none: nothing to overlap).
 """

@@ -94,6 +94,8 @@ class PartitionedAdam:
         self._after_step = after_step
         self.step_count = 0
         self.sumsq = 0.0
+        self.undo: Any = None
+        """``cpu_adam.undo.UndoLog`` (with the daemon): recorded steps log their passes in it."""
         self.landed: Callable[[Bucket], None] | None = None
         """Told of each bucket landed at a cycle's last micro-step (``offload.zero.overlap``)."""
         self._on_host = storage.tier is not None or storage.device.type == "cpu"
@@ -182,20 +184,26 @@ class PartitionedAdam:
         return plan
 
     def step_states(self, grad_multiplier: float, plan: StepPlan, skip: frozenset[int] = frozenset(),
-                    progress: Any = None) -> None:
+                    progress: Any = None, resume: bool = False) -> None:
         """Adam over every sub-group's state but ``skip``'s (NVMe I/O pipelined); the new low-precision
         params go to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model).
         ``progress`` (``offload.resume.CommitRegion``, with ``skip`` a prefix): told as each Adam pass
-        starts and as each sub-group is stepped and marked dirty ([Note: restartable step])."""
+        starts and as each sub-group is stepped and marked dirty, each pass logged in ``undo``; with
+        ``resume`` the first pass is one a killed process started ([Note: restartable step])."""
         order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
         self.storage.prefetch(order)
         self._staging_free()
+        logged = progress is not None and self.undo is not None and self._on_host
         for k, i in enumerate(order):
             state = self.storage.acquire(i)
             self.storage.prefetch(order[k + 1:])
             if progress is not None:
+                self.storage.will_write(i)  # before the pass: the daemon keeps what it writes
+                if logged and not (resume and k == 0):
+                    self.undo.begin()
                 progress.sub_group_started(i)
-            self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan)
+            self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan,
+                                 logged=(resume and k == 0) if logged else None)
             self.storage.release(i, dirty=True)
             if progress is not None:
                 progress.sub_group_done(i + 1)
@@ -259,30 +267,43 @@ class PartitionedAdam:
             return self._staging[piece.part_start:piece.part_start + piece.numel]
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
-    def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float, plan: StepPlan) -> None:
+    def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float, plan: StepPlan,
+                        logged: bool | None = None) -> None:
+        """``logged``: None, or the pass goes through the undo log, resuming a cut one if True (fp32 states
+        only: compressed states have no undo log, so ``undo`` stays None for them)."""
         grad = plan.grads[sg.index]
         if not self.storage.format.fp32:
             self._step_compressed(sg, state, grad, mult, plan)
             return
         n = sg.numel
         master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
+        call = 0
         for group in sorted({p.group for p in sg.pieces}):
             in_group = [p for p in sg.pieces if p.group == group]
             # stage 3: a piece's output is a param shard that ``params_out`` may give back (and evict) when
             # a later one is asked for, so each piece is stepped before the next is asked for
             for pieces in ([p] for p in in_group) if self._params_out is not None else [in_group]:
                 self._step_pieces(pieces, master, grad, exp_avg, exp_avg_sq, plan.hypers[group], mult,
-                                  plan.step_count)
+                                  plan.step_count, None if logged is None else (call, logged))
+                call += 1
 
     def _step_pieces(self, pieces: list[Piece], master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                     exp_avg_sq: torch.Tensor, hyper: AdamConfig, mult: float, step_count: int) -> None:
+                     exp_avg_sq: torch.Tensor, hyper: AdamConfig, mult: float, step_count: int,
+                     logged: tuple[int, bool] | None = None) -> None:
         cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
         masters = [master[a:b] for a, b in cut]
         grads = [grad[a:b] for a, b in cut]
         ms = [exp_avg[a:b] for a, b in cut]
         vs = [exp_avg_sq[a:b] for a, b in cut]
         outs = [self._out(p) for p in pieces]
-        if self._on_host:
+        if logged is not None:  # (call, resume): [Note: restartable step] in offload.resume
+            steps = [torch.full((1,), float(step_count)) for _ in pieces]
+            restored = self.undo.step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs,
+                                      call=logged[0], resume=logged[1])
+            if restored:
+                logger.warning("rank %d: %d piece(s) a killed Adam pass left half written restored from the undo log",
+                               self.layout.rank, restored)
+        elif self._on_host:
             steps = [torch.full((1,), float(step_count)) for _ in pieces]
             adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
         else:

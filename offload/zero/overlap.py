@@ -35,7 +35,12 @@ before the step; a rollback drops the host copies unwritten and reads them again
 commit marks them dirty and evicts them. At most ``window - 1`` blocks are stepped early with nvme
 (those prefetched as backward began), so the rest of the step still has room to pipeline.
 With the daemon, the step-in-progress marker is set as the boundary's backward begins, not at
-``engine.step()``: a process that dies under backward leaves a state a resume calls torn.
+``engine.step()``: a process that dies under backward leaves a state a resume calls torn. It is
+not made restartable ([Note: restartable step] in offload.resume) because neither way out is in
+the daemon: finishing needs the gradients not yet landed (on the GPU or in the reducer's buffers,
+gone with the process) and the real multiplier (the global norm), and undoing the early sub-groups
+needs their rollback copies, which are the trainer's memory with cpu. (With nvme the pre-step state
+is still on NVMe, so a resume could roll back to the last commit: not done.)
 SuperOffload instead undoes a step algebraically (its ``adam_rollback``), which is not exact
 in floating point; a copy is.
 Besides: the params are staged (a copy of the partition in the compute dtype, as the delayed

@@ -59,6 +59,7 @@ class StateStorage:
             raise ConfigError("offload.state_dtype bf16/int8 needs the optimizer state offloaded (cpu or nvme)")
         self._tensors: dict[str, torch.Tensor] = {}  # device tensors (none), or cached host views (cpu)
         self._placement = [Placement.DEVICE if tier is None else Placement.HOST for _ in layout.sub_groups]
+        self._marked: set[int] = set()  # resident blocks marked dirty before they were written (will_write)
         self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
                                   label=lambda sg: f"sub-group {sg}", noun="blocks")
 
@@ -170,12 +171,21 @@ class StateStorage:
         return where in (Placement.HOST, Placement.DEVICE, Placement.RESIDENT) or (
             where == Placement.IN_FLIGHT and sg not in self._window.evicting)
 
+    def will_write(self, sg: int) -> None:
+        """Before a resident block is written: mark it dirty now, so that whatever becomes of this process
+        the daemon writes back the host copy (a restart finishes a pass from it: [Note: restartable step]
+        in offload.resume), never drops it for the copy on NVMe."""
+        if self.nvme and self._placement[sg] == Placement.RESIDENT and sg not in self._marked:
+            self.tier.mark_dirty(self._state_name(sg))
+            self._marked.add(sg)
+
     def release(self, sg: int, *, dirty: bool) -> None:
         """Done with a state block: with nvme, write it back if ``dirty`` and free its host copy (async)."""
         if not self.nvme or self._placement[sg] != Placement.RESIDENT:
             return
-        if dirty:
+        if dirty and sg not in self._marked:
             self.tier.mark_dirty(self._state_name(sg))
+        self._marked.discard(sg)
         self._window.evict(sg)
 
     def drain(self) -> None:

@@ -18,8 +18,9 @@ GLOBAL_BATCH = 8
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.LayerNorm(48), torch.nn.GELU(),
-                               torch.nn.Dropout(float(os.environ.get("DROPOUT", "0.1"))), torch.nn.Linear(48, 4))
+    width = int(os.environ.get("WIDTH", "48"))  # wider: sub-groups of several 65536-element chunks
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.LayerNorm(width), torch.nn.GELU(),
+                               torch.nn.Dropout(float(os.environ.get("DROPOUT", "0.1"))), torch.nn.Linear(width, 4))
 
 
 def batches(n: int):
@@ -35,7 +36,7 @@ def config(device: str, workdir: str, stage: int) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3,
                                                               "total_num_steps": 60}},
-            "zero_optimization": {"stage": stage, "offload_optimizer": offload, "sub_group_size": 256,
+            "zero_optimization": {"stage": stage, "offload_optimizer": offload, "sub_group_size": int(os.environ.get("SUB_GROUP", "256")),
                                   "reduce_bucket_size": 500}}
 
 

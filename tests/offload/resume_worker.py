@@ -7,7 +7,8 @@ LOAD_AT_START=1 at every start, as a DeepSpeed script does, noting the step it s
 WORKDIR/started-rank<r>.txt), OVERLAP=1 (offload.overlap_step on). Kills inside
 the step that a restart finishes (issue 18): kill-after-sub-group (as the second sub-group is fetched),
 kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), kill-in-publish (every sub-group stepped,
-the params not yet gathered).
+the params not yet gathered), kill-in-adam (inside the C pass of sub-group FAULT_SUB_GROUP: call FAULT_CALL, chunk
+FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET). WIDTH and SUB_GROUP: see ckpt_worker.
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
@@ -33,7 +34,7 @@ def read_losses(workdir, rank: int, steps: int) -> list[float]:
     return [out[s] for s in range(steps)]
 
 
-STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish")
+STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish", "kill-in-adam")
 
 
 def _die_inside_the_step(engine, fault: str) -> None:
@@ -53,6 +54,18 @@ def _die_inside_the_step(engine, fault: str) -> None:
             done(n)
             die()  # the first sub-group's write-back was just queued: in flight in the daemon
         engine.commit.sub_group_done = recorded
+    elif fault == "kill-in-adam":  # the C pass kills itself halfway through a piece (its test hook)
+        from cpu_adam.undo import arm_fault_for_tests
+
+        acquire = storage.acquire
+        target = int(os.environ.get("FAULT_SUB_GROUP", "0"))
+
+        def arming(sg):
+            if sg == target:
+                arm_fault_for_tests(int(os.environ.get("FAULT_CALL", "0")), int(os.environ.get("FAULT_CHUNK", "0")),
+                                    int(os.environ.get("FAULT_OFFSET", "0")))
+            return acquire(sg)
+        storage.acquire = arming
     else:
         adam.publish = die
 

@@ -128,14 +128,15 @@ def test_daemon_death_names_what_was_lost_and_the_checkpoint(tmp_path, through_d
 _references: dict = {}
 
 
-def _reference(tmp_path_factory, stage):
-    """Two ranks, embedded stores, uninterrupted, at ``stage`` (one run per stage for the module)."""
-    if stage not in _references:
+def _reference(tmp_path_factory, stage, **env):
+    """Two ranks, embedded stores, uninterrupted, at ``stage`` (one run per stage and model for the module)."""
+    key = (stage, tuple(sorted(env.items())))
+    if key not in _references:
         workdir = tmp_path_factory.mktemp(f"reference-stage{stage}")
-        proc = _run(workdir, "nvme", ranks=2, STAGE=stage)
+        proc = _run(workdir, "nvme", ranks=2, STAGE=stage, **env)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        _references[stage] = workdir
-    return _references[stage]
+        _references[key] = workdir
+    return _references[key]
 
 
 @pytest.mark.parametrize("stage,device,fault", [
@@ -149,6 +150,34 @@ def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_fact
                 FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "TORN" not in proc.stderr
+    assert "the step it was killed in finished from its committed inputs" in proc.stderr
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == 16
+    _same(ref, tmp_path, ranks=2)
+
+
+# 188418 elements a rank: a 150000-element sub-group of 3 chunks, stepped on 2 threads. (Not with stage 3:
+# the worker reads the final params outside forward, which a partitioned param of this size is not.)
+WIDE = {"WIDTH": 16384, "SUB_GROUP": 150000}
+
+
+@pytest.mark.parametrize("stage,device,model,where", [
+    (2, "nvme", {}, (1, 0, 0, 0)), (1, "cpu", {}, (0, 0, 0, 0)), (3, "nvme", {}, (2, 0, 0, 0)),
+    (2, "cpu", WIDE, (0, 0, 1, 10000)), (2, "nvme", WIDE, (0, 0, 2, 0)), (3, "cpu", {}, (1, 0, 0, 0)),
+    (1, "nvme", WIDE, (1, 0, 0, 20000)),
+])
+def test_rank_killed_inside_an_adam_pass_finishes_it_exactly(tmp_path, tmp_path_factory, daemon,  # noqa: F811
+                                                             stage, device, model, where):
+    """SIGKILL from inside the C pass of sub-group ``where[0]`` (call, chunk, offset: the rest), halfway
+    through a piece: the restart restores it from the undo log and finishes the pass."""
+    ref = _reference(tmp_path_factory, stage, **model)
+    sg, call, chunk, offset = where
+    proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage, FAULT="kill-in-adam",
+                FAULT_STEP=15, FAULT_RANK=0, FAULT_SUB_GROUP=sg, FAULT_CALL=call, FAULT_CHUNK=chunk,
+                FAULT_OFFSET=offset, **model)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN" not in proc.stderr
+    assert "restored from the undo log" in proc.stderr  # the kill landed inside the pass
     assert "the step it was killed in finished from its committed inputs" in proc.stderr
     for r in range(2):
         assert _final(tmp_path, r)["resumed_step"] == 16

@@ -3,7 +3,7 @@ restart reads from each moment of a step, over a plain in-memory store (the regi
 from __future__ import annotations
 
 from csrc import ConfigError
-from offload.resume import FINISH, FRESH, RESUME, TORN, CommitRegion, inspect_session
+from offload.resume import FINISH, FRESH, RESUME, TORN, UNDO_NAME, CommitRegion, inspect_session
 
 
 class _Store:
@@ -43,14 +43,17 @@ def test_each_moment_of_a_step_reads_as_what_a_restart_can_do():
 
     region.begin_recorded_step(RECORD)
     verdict, step, payload = _verdict(store)
-    assert (verdict, step) == (FINISH, 4) and payload["step_record"] == (RECORD, 0)
+    assert (verdict, step) == (FINISH, 4) and payload["step_record"] == (RECORD, 0, False)
     region.sub_group_started(0)
-    assert _verdict(store)[0] == TORN  # inside a pass
+    assert _verdict(store)[0] == TORN  # inside a pass, with no undo log to finish it from
+    store.allocate(UNDO_NAME, 64)
+    verdict, step, payload = _verdict(store)
+    assert (verdict, step) == (FINISH, 4) and payload["step_record"] == (RECORD, 0, True)  # from the undo log
     region.sub_group_done(1)
     region.sub_group_started(1)
     region.sub_group_done(2)
     verdict, step, payload = _verdict(store)
-    assert (verdict, step) == (FINISH, 4) and payload["step_record"] == (RECORD, 2)
+    assert (verdict, step) == (FINISH, 4) and payload["step_record"] == (RECORD, 2, False)
     assert payload["last_checkpoint"] == "ckpt/global_step2"  # the commit's small state beside it
 
     region.commit(4, {"last_checkpoint": None})
