@@ -17,8 +17,12 @@ contender's loaded/quiet factor (its total under the load over its total quiet, 
 ratio ours/DeepSpeed (median over rounds of the two runs' ratio), the load average beside every
 figure, bytes read from storage per step, and the largest relative loss difference against torch.
 
+A fourth contender, ``base``, is our engine from another tree (``--baseline DIR``: main before a change),
+so that before and after are measured in the same run, alternately.
+
 Usage: flock /tmp/ofl-bench.lock .venv/bin/python tools/bench/bench_contention.py
-           [--configs a,b,c,d,e] [--loads quiet,busy2,membw] [--contenders ours,deepspeed,torch]
+           [--configs a,b,c,d,e] [--loads quiet,busy2,membw] [--contenders ours,deepspeed,torch[,base]]
+           [--baseline DIR]
            [--rounds 2] [--steps 8] [--ds-python /work/wt/dsvenv/bin/python] [--nvme-path DIR] [--out FILE]
 """
 from __future__ import annotations
@@ -83,9 +87,12 @@ def run_one(contender: str, config: str, args, nvme_root: str) -> dict:
     python = args.ds_python if contender == "deepspeed" else sys.executable
     nvme = tempfile.mkdtemp(prefix=f"contention-{contender}-{config}-", dir=nvme_root)
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    worker, what = WORKER, contender
+    if contender == "base":  # our engine as another tree has it (its worker puts that tree first on the path)
+        worker, what = Path(args.baseline) / "tools" / "bench" / WORKER.name, "ours"
     if contender != "ours":
-        env["PYTHONPATH"] = str(ROOT)
-    cmd = [python, str(WORKER), contender, config, "--steps", str(args.steps), "--nvme-path", nvme]
+        env["PYTHONPATH"] = str(worker.parents[2])
+    cmd = [python, str(worker), what, config, "--steps", str(args.steps), "--nvme-path", nvme]
     if config == "e":
         env["OMP_NUM_THREADS"] = "1"
         cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] + cmd[1:]
@@ -123,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="per run; the median is over steps 3..steps")
     ap.add_argument("--ds-python", default=DEFAULT_DS_PYTHON)
+    ap.add_argument("--baseline", default=None,
+                    help="a tree of this project (e.g. `git archive main`, its csrc/*.so copied in, "
+                         "contention_worker.py copied to its tools/bench/): contender `base` runs our engine from there")
     ap.add_argument("--nvme-path", default=None, help="directory for swap files (default: a temporary one)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
@@ -133,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     loads = args.loads.split(",")
     contenders = args.contenders.split(",")
     skipped = {}
+    if "base" in contenders and not args.baseline:
+        ap.error("contender base needs --baseline DIR")
     if "deepspeed" in contenders:
         why = ds_available(args.ds_python)
         if why:
@@ -164,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                             got[c] = s["total"]
                             print(f"round {r + 1} {load:6s} {config} {c:9s} {s['total']:.3f} s "
                                   f"({s['fwd']:.2f}/{s['bwd']:.2f}/{s['step']:.2f}) load {out['load']}", flush=True)
-                        if "ours" in got and "deepspeed" in got:
-                            ratio_rounds.setdefault((load, config), []).append(got["ours"] / got["deepspeed"])
+                        for mine in ("ours", "base"):
+                            if mine in got and "deepspeed" in got:
+                                ratio_rounds.setdefault((load, config, mine), []).append(got[mine] / got["deepspeed"])
                 finally:
                     stop_load(procs)
     finally:
@@ -193,12 +206,14 @@ def report(args, argv, configs, loads, contenders, skipped, results, ratio_round
     for c, why in skipped.items():
         lines.append(f"- {c} skipped: {why}")
     lines += ["", "| load | config | " + " | ".join(f"{c} s | {c} loaded/quiet" for c in contenders)
-              + " | ours/DS | read GiB/step (ours, DS) | loss drift vs torch (ours, DS) | load avg |",
-              "| --- | --- | " + " | ".join("--- | ---" for _ in contenders) + " | --- | --- | --- | --- |"]
+              + " | ours/DS | base/DS | read GiB/step | loss drift vs " + ("torch" if "torch" in contenders else "deepspeed")
+              + " (largest relative difference over the steps) | load avg |",
+              "| --- | --- | " + " | ".join("--- | ---" for _ in contenders) + " | --- | --- | --- | --- | --- |"]
     for load in loads:
         for config in configs:
             cells, reads, drifts, lavg = [], [], [], []
-            torch_losses = [o["rows"] for o in results.get((load, config, "torch"), []) if "error" not in o]
+            ref_name = "torch" if "torch" in contenders else "deepspeed"
+            torch_losses = [o["rows"] for o in results.get((load, config, ref_name), []) if "error" not in o]
             for c in contenders:
                 outs = [o for o in results.get((load, config, c), []) if "error" not in o]
                 errs = [o["error"] for o in results.get((load, config, c), []) if "error" in o]
@@ -212,13 +227,15 @@ def report(args, argv, configs, loads, contenders, skipped, results, ratio_round
                 cells += [f"{tot:.2f} ({_med([s['fwd'] for s in sums]):.2f} / {_med([s['bwd'] for s in sums]):.2f}"
                           f" / {_med([s['step'] for s in sums]):.2f})", factor]
                 lavg += [o["load"] for o in outs]
-                if c in ("ours", "deepspeed"):
-                    reads.append(f"{_med([s['read_gib'] for s in sums]):.2f}")
-                    if torch_losses:
+                if c in ("ours", "base", "deepspeed"):
+                    reads.append(f"{c} {_med([s['read_gib'] for s in sums]):.2f}")
+                    if torch_losses and c != ref_name:
                         ref = [r["loss"] for r in torch_losses[0]]
-                        drifts.append(f"{max(abs(r['loss'] - x) / abs(x) for r, x in zip(outs[0]['rows'], ref)):.1e}")
-            ratio = ratio_rounds.get((load, config))
-            lines.append(f"| {load} | {config} | " + " | ".join(cells) + f" | {'**%.2fx**' % _med(ratio) if ratio else ''}"
+                        d = max(abs(r["loss"] - x) / abs(x) for o in outs for r, x in zip(o["rows"], ref))
+                        drifts.append(f"{c} {d:.1e}")
+            ratios = ["**%.2fx**" % _med(ratio_rounds[(load, config, m)]) if (load, config, m) in ratio_rounds else ""
+                      for m in ("ours", "base")]
+            lines.append(f"| {load} | {config} | " + " | ".join(cells) + f" | {' | '.join(ratios)}"
                          f" | {', '.join(reads)} | {', '.join(drifts)} | {'; '.join(lavg)} |")
     lines += ["", "Losses, first run of each (step 1..N):"]
     for config in configs:
