@@ -163,12 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         loss = runner.forward(idx, tgt)
         t1 = time.perf_counter()
+        r1 = _read_bytes()
         runner.backward(loss)
         t2 = time.perf_counter()
+        r2 = _read_bytes()
         runner.step()
         t3 = time.perf_counter()
+        r3 = _read_bytes()
         rows.append({"fwd": t1 - t0, "bwd": t2 - t1, "step": t3 - t2, "loss": float(loss.item()),
-                     "read_bytes": _read_bytes() - r0})
+                     "read_bytes": r3 - r0, "read_fwd": r1 - r0, "read_bwd": r2 - r1, "read_step": r3 - r2})
     if world > 1:  # a step's time is the slowest rank's
         import torch.distributed as dist
         t = torch.tensor([[r["fwd"], r["bwd"], r["step"]] for r in rows], dtype=torch.float64)
