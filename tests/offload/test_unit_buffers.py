@@ -119,7 +119,7 @@ def test_a_shard_given_back_mid_step_is_read_again(tmp_path):
     """Sub-groups of 512 elements split every 960-element shard, and the window holds two shards for
     the step's writes: a shard goes back to NVMe with one piece written and comes in again for the
     next; that time it is read (else the first piece would be lost). Training matches torch."""
-    from tests.offload.test_stage3 import _torch_run
+    from tests.offload.test_stage3 import _engine_run, _torch_run
 
     g = torch.Generator().manual_seed(6)
     data = [(torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)) for _ in range(6)]
@@ -130,12 +130,7 @@ def test_a_shard_given_back_mid_step_is_read_again(tmp_path):
     net = Skips()
     engine, _, _, _ = initialize(model=net, config=config)
     try:
-        losses = []
-        for x, y in data:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _engine_run(engine, data)
         with engine.stage3.coordinator.gathered():
             got = [p.detach().clone() for p in net.parameters()]
     finally:
