@@ -28,6 +28,7 @@ import torch
 
 from csrc import ConfigError, raise_errno
 from csrc.loader import load_extension
+from cpu_adam.cores import usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,9 @@ def _resolve_uncached(isa: Isa | str | int) -> Isa:
 
 
 def default_num_threads() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """The cores this rank may really use: affinity, cgroup quota, ranks on this node
+    ([Note: threads per rank] in cpu_adam.cores)."""
+    return usable_cores()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ A verb on a region with a transfer still pending first waits for that transfer
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import threading
@@ -252,19 +253,24 @@ class TierStore:
         r.tier = Tier.IN_FLIGHT
         return op
 
+    def _host_for_nvme_only(self, regions: list[_Region], what: str) -> tuple[list[_Region], list[HostBlock]]:
+        """The regions only on NVMe, and a host block for each (all or none: an error frees them)."""
+        todo = [r for r in regions if r.tier == Tier.NVME]
+        blocks: list[HostBlock] = []
+        try:
+            for r in todo:
+                blocks.append(self.pool.allocate(r.nbytes, f"{what} of region {r.name!r}"))
+        except OffloadError:
+            for b in blocks:
+                self.pool.free(b)
+            raise
+        return todo, blocks
+
     def prefetch(self, names: Iterable[str]) -> TransferHandle:
         """Start reading regions that are only on NVMe into host memory; returns at once."""
         with self._lock:
             regions = self._settled(names)
-            todo = [r for r in regions if r.tier == Tier.NVME]
-            blocks: list[HostBlock] = []
-            try:
-                for r in todo:
-                    blocks.append(self.pool.allocate(r.nbytes, f"prefetch of region {r.name!r}"))
-            except OffloadError:
-                for b in blocks:
-                    self.pool.free(b)
-                raise
+            todo, blocks = self._host_for_nvme_only(regions, "prefetch")
             try:
                 if todo:
                     self.space.check({p.file_index for r in todo for p in r.placements})
@@ -276,6 +282,21 @@ class TierStore:
                 ops.append(self._submit(r, write=False, placements=r.placements, expected=r.checksums,
                                         new_placements=False, free_host=False))
             return TransferHandle("prefetch", ops, [r.name for r in regions])
+
+    def claim(self, names: Iterable[str]) -> TransferHandle:
+        """Give the regions that are only on NVMe a host copy without reading them: zeros, marked
+        dirty (the caller is about to overwrite them: reading them first would be wasted I/O).
+        Regions with a host copy or a transfer in flight are left as they are. Returns a handle
+        for ``wait_for_prefetch``, already done."""
+        with self._lock:
+            regions = self._settled(names)
+            todo, blocks = self._host_for_nvme_only(regions, "claim")
+            for r, block in zip(todo, blocks):
+                ctypes.memset(self.pool.address(block), 0, r.nbytes)
+                r.host = block
+                r.tier = Tier.HOST
+                r.dirty = True
+            return TransferHandle("prefetch", [], [r.name for r in regions])
 
     def evict(self, names: Iterable[str]) -> TransferHandle:
         """Start writing back the dirty ones among ``names``; their host copies are freed at wait."""

@@ -61,6 +61,7 @@ class ShardStore:
         self._place = [ShardPlacement.DEVICE if tier is None else ShardPlacement.HOST for _ in layout.buckets]
         self._pins = [0] * len(layout.buckets)
         self._held_for_write: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()
+        self._written: set[int] = set()  # shards params_out has handed out this step
         self._window = HostWindow(tier, self._place, ShardPlacement, size=self.window, name=self._name,
                                   label=lambda b: f"unit {b}'s shard", noun="shards", drop_idle=self._idle)
 
@@ -115,12 +116,13 @@ class ShardStore:
         if self.nvme:
             self._window.prefetch(units)
 
-    def acquire(self, b: int) -> torch.Tensor:
-        """The shard of unit ``b`` (held until ``release``), waiting for or starting its prefetch."""
+    def acquire(self, b: int, *, read: bool = True) -> torch.Tensor:
+        """The shard of unit ``b`` (held until ``release``), waiting for or starting its prefetch;
+        ``read`` False: one only on NVMe is not read (zeros: the caller overwrites it)."""
         if self.nvme:
             if self._place[b] == ShardPlacement.NVME and not self._window.make_room():
                 self._land_oldest_prefetch()
-            self._window.bring_in(b)
+            self._window.bring_in(b, read=read)
         self._pins[b] += 1
         return self._view(b)
 
@@ -151,12 +153,18 @@ class ShardStore:
             while len(self._held_for_write) >= self.window - 1:
                 old, _ = self._held_for_write.popitem(last=False)
                 self.release(old, dirty=True)
-            shard = self._held_for_write[piece.bucket] = self.acquire(piece.bucket)
+            # [Note: the step reads no shard] the step overwrites every param of a shard (only its
+            # padding is not a piece): the first time in a step it is not read from NVMe. Once given
+            # back (window pressure) it may hold pieces already written, so it is read again.
+            first = piece.bucket not in self._written
+            self._written.add(piece.bucket)
+            shard = self._held_for_write[piece.bucket] = self.acquire(piece.bucket, read=not first)
         start = piece.flat_start - self.layout.buckets[piece.bucket].shard_start(self.layout.rank)
         return shard[start:start + piece.numel]
 
     def flush(self) -> None:
         """Give back the shards the step wrote (to NVMe with nvme) and wait for the writes."""
+        self._written.clear()
         while self._held_for_write:
             b, _ = self._held_for_write.popitem(last=False)
             self.release(b, dirty=True)

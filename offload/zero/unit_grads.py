@@ -12,6 +12,15 @@ the end, so every rank runs the same collectives and the accumulators hold no st
 
 Stage 3 reduces every micro-step (as stage 2): the accumulators sum micro-steps (``first``).
 
+[Note: unit buffers reused] A host unit's buffer, once landed (or reduced), is kept as the spare
+for the next unit of the same size in this backward (a GPT's blocks are all one size) instead of
+a fresh ``torch.zeros``: that memset and allocation cost as much as the gradients' own copies.
+A reused buffer gets zeros only where the new unit's slots do not cover it (the padding, computed
+once per unit) and, at launch, in the slots of parameters whose gradient never came; every other
+element is overwritten by a gradient's copy. So it lands exactly what a zeroed buffer would. The
+spares go at the end of backward (memory between steps as before); device buffers are never
+reused (the D2H copy may still read one).
+
 On a GPU with the optimizer state on the host (``fetcher`` given), a unit's reduced gradient goes
 to a pinned host buffer on the Fetcher's D2H stream while backward goes on, and lands from there
 once the copy is in, oldest first (the same order, so the same sums). At most ``max_in_flight``
@@ -58,6 +67,10 @@ class UnitGradReducer:
         self._fetcher = fetcher
         self._offloading: list[tuple[Bucket, torch.Tensor, Any]] = []  # (unit, host buffer, pending copy)
         self._spare_hosts: list[torch.Tensor] = []  # pinned buffers whose copies have landed
+        self._spares: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # [Note: unit buffers reused]
+        self._reused: set[int] = set()  # units whose buffer was a spare: unreached slots need zeros
+        self._gaps: dict[int, list[tuple[int, int]]] = {}  # unit -> ranges no slot covers
+        self._got: list[set[int]] = []  # per unit, the slots whose gradient came this micro-step
         self._active = False
         self._first = True
         self._final = True
@@ -65,11 +78,34 @@ class UnitGradReducer:
         """The most bytes the unit gradient buffers (and reduce outputs) held at once."""
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
 
+    def _unit_gaps(self, u: int) -> list[tuple[int, int]]:
+        gaps = self._gaps.get(u)
+        if gaps is None:
+            b = self.layout.buckets[u]
+            gaps, at = [], 0
+            for i in sorted(b.slots, key=lambda i: self.layout.slots[i].offset):
+                lo = self.layout.slots[i].offset - b.start
+                if lo > at:
+                    gaps.append((at, lo))
+                at = max(at, lo + self.layout.slots[i].numel)
+            if at < b.numel:
+                gaps.append((at, b.numel))
+            self._gaps[u] = gaps
+        return gaps
+
     def _buffer(self, u: int) -> torch.Tensor:
         buf = self._bufs.get(u)
         if buf is None:
             p = self.params[self.layout.buckets[u].slots[0]]
-            buf = self._bufs[u] = torch.zeros(self.layout.buckets[u].numel, dtype=p.dtype, device=p.device)
+            numel = self.layout.buckets[u].numel
+            spare = self._spares.pop((numel, p.dtype), None) if p.device.type == "cpu" else None
+            if spare is not None:
+                for lo, hi in self._unit_gaps(u):
+                    spare[lo:hi].zero_()
+                self._reused.add(u)
+                buf = self._bufs[u] = spare
+            else:
+                buf = self._bufs[u] = torch.zeros(numel, dtype=p.dtype, device=p.device)
             held = sum(t.numel() * t.element_size() for t in self._bufs.values())
             held += sum(full.numel() * full.element_size() + out.numel() * out.element_size()
                         for _, out, full, _ in self._inflight)
@@ -85,6 +121,7 @@ class UnitGradReducer:
             u = self._unit_of[index]
             start = slot.offset - self.layout.buckets[u].start
             self._buffer(u)[start:start + slot.numel].view(slot.shape).copy_(param.grad)
+            self._got[u].add(index)
             param.grad = None
             self._pending[u] -= 1
             if self._pending[u] == 0:
@@ -97,6 +134,7 @@ class UnitGradReducer:
         self._first, self._final = first, final
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._launched = [False] * len(self.layout.buckets)
+        self._got = [set() for _ in self.layout.buckets]
 
     def _launch(self, u: int) -> None:
         self._launched[u] = True
@@ -105,8 +143,15 @@ class UnitGradReducer:
         if buf is None:
             buf = self._buffer(u)
             self._bufs.pop(u)
+        if u in self._reused:  # a spare: the slots no gradient reached still hold the last unit's
+            self._reused.discard(u)
+            for i in b.slots:
+                if i not in self._got[u]:
+                    lo = self.layout.slots[i].offset - b.start
+                    buf[lo:lo + self.layout.slots[i].numel].zero_()
         if self.comm_world == 1:
             self._reduced(b, buf)
+            self._keep_spare(buf)
             return
         while len(self._inflight) >= self.max_in_flight:
             self._finish(self._inflight.pop(0))
@@ -115,9 +160,15 @@ class UnitGradReducer:
         self._inflight.append((b, out, buf, work))
 
     def _finish(self, entry) -> None:
-        b, out, _, work = entry
+        b, out, buf, work = entry
         work.wait()
+        self._keep_spare(buf)
         self._reduced(b, out)
+
+    def _keep_spare(self, buf: torch.Tensor) -> None:
+        """A host unit buffer that has been landed or reduced: the next unit of its size reuses it."""
+        if buf.device.type == "cpu":
+            self._spares[(buf.numel(), buf.dtype)] = buf
 
     def _reduced(self, b: Bucket, grad: torch.Tensor) -> None:
         """A unit's reduced gradient: landed now, or (a GPU one, with a fetcher) sent to the host first."""
@@ -151,6 +202,7 @@ class UnitGradReducer:
             self._finish(self._inflight.pop(0))
         while self._offloading:
             self._landed_from_host(*self._offloading.pop(0))
+        self._spares.clear()
         self._active = False
 
     def zero(self) -> None:
@@ -163,6 +215,7 @@ class UnitGradReducer:
             h.remove()
         self._handles = []
         self._bufs.clear()
+        self._spares.clear()
         self._inflight.clear()
         self._offloading.clear()
         self._spare_hosts.clear()

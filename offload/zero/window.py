@@ -97,9 +97,20 @@ class HostWindow:
             self.places[i] = self._in_flight
             self.prefetches_started += 1
 
-    def bring_in(self, i: int) -> None:
-        """Make item ``i`` resident, waiting for (or starting) its prefetch."""
+    def bring_in(self, i: int, *, read: bool = True) -> None:
+        """Make item ``i`` resident, waiting for (or starting) its prefetch. ``read`` False: an item
+        only on NVMe gets host memory without being read (``tier.claim``), where the tier can."""
         if self.places[i] == self._resident:
+            return
+        if not read and hasattr(self.tier, "claim"):
+            if self.places[i] == self._in_flight and i in self.evicting:  # its write-back first
+                self.evicting.remove(i)
+                self.finish_evict(i)
+        if not read and self.places[i] == self._nvme and hasattr(self.tier, "claim"):
+            if not self.make_room():
+                raise ConfigError(f"no room to bring {self._label(i)} in: {self.size} {self._noun} are held")
+            self.tier.wait_for_prefetch(self.tier.claim([self._name(i)]))
+            self.places[i] = self._resident
             return
         self.prefetch([i])
         if self.places[i] == self._nvme:
