@@ -7,24 +7,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
-#define OFL_AI static inline __attribute__((always_inline))
-
-OFL_AI __m256 load_grad8(int32_t dt, const void *g) {
-    if (dt == OFL_DTYPE_F32) return _mm256_loadu_ps((const float *)g);
-    __m128i h = _mm_loadu_si128((const __m128i *)g);
-    if (dt == OFL_DTYPE_F16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-OFL_AI __m128i f32_to_bf16_8(__m256 x) {
-    __m256i b = _mm256_castps_si256(x);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(b, _mm256_set1_epi32(0x00400000)), nan);
-    r = _mm256_srli_epi32(r, 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
+#include "adam_avx2_lanes.h"
 
 OFL_AI void store_out8(int32_t dt, void *out, __m256 x) {
     if (dt == OFL_DTYPE_NONE) return;
@@ -116,7 +99,7 @@ OFL_AI int32_t block8(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t 
     const float *vals = t->value[OFL_Q8_MAP_SIGNED], *valu = t->value[OFL_Q8_MAP_UNSIGNED];
     float sms = sd == OFL_STATE_Q8 ? ms[0] : 0.0f, svs = sd == OFL_STATE_Q8 ? vs[0] : 0.0f;
     __m256 sm = _mm256_set1_ps(sms), sv = _mm256_set1_ps(svs);
-    int64_t eg = gd == OFL_DTYPE_F32 ? 4 : 2, eo = od == OFL_DTYPE_F32 ? 4 : 2;
+    int64_t eo = od == OFL_DTYPE_F32 ? 4 : 2;
     __m256 bad = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -129,7 +112,7 @@ OFL_AI int32_t block8(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t 
             v0 = bf16_8((const uint16_t *)v + i);
         }
         __m256 pv = _mm256_loadu_ps(p + i);
-        __m256 gv = _mm256_mul_ps(load_grad8(gd, (const char *)g + i * eg), gscale);
+        __m256 gv = _mm256_mul_ps(load_grad8(gd, g, i), gscale);
         bad = _mm256_add_ps(bad, _mm256_mul_ps(gv, _mm256_setzero_ps()));
         if (l2) gv = _mm256_fmadd_ps(l2c, pv, gv);
         __m256 mv = _mm256_fmadd_ps(b1, m0, _mm256_mul_ps(omb1, gv));
