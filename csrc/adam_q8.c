@@ -58,6 +58,17 @@ static void build_decades(int map, int decades) {
         for (int k = 0; k < decades - 1; k++) count += tables.thr[map][k] >= upper;
         tables.first_decade[map][e] = count;
     }
+    for (int x = 0; x < 32; x++) {
+        tables.decade_by_exp[map][x] = tables.first_decade[map][31 - x];
+        tables.thr_by_exp[map][x] = tables.thr_or_none[map][tables.first_decade[map][31 - x]];
+    }
+}
+
+static void build_planes(int map) {
+    for (int code = 0; code < 256; code++) {
+        uint32_t b = ofl_f32_to_bits(tables.value[map][code]);
+        for (int k = 0; k < 4; k++) tables.plane[map][k][code] = (uint8_t)(b >> (8 * k));
+    }
 }
 
 static void build_tables(void) {
@@ -73,6 +84,8 @@ static void build_tables(void) {
     for (int k = 0; k < 256; k++) tables.value[OFL_Q8_MAP_UNSIGNED][k] = mag[k];
     tables.top[OFL_Q8_MAP_UNSIGNED] = n - 1;
     build_decades(OFL_Q8_MAP_UNSIGNED, 8);
+    build_planes(OFL_Q8_MAP_SIGNED);
+    build_planes(OFL_Q8_MAP_UNSIGNED);
 }
 
 const ofl_q8_tables *ofl_q8_tables_get(void) {
@@ -94,6 +107,10 @@ typedef struct {
 
 static q8_kernels kernels_for(int32_t isa) {
 #if OFL_HAVE_X86
+    /* avx512_bf16 names the newer CPUs: there the lookups take AVX512_VBMI where it is, so
+     * both forms are exercised on a CPU that has it (the same bits either way). */
+    if (isa == OFL_ISA_AVX512_BF16 && __builtin_cpu_supports("avx512vbmi"))
+        return (q8_kernels){ofl_adamq_kernel_avx512vbmi, ofl_q8_quant_avx512vbmi, ofl_q8_dequant_avx512vbmi};
     if (isa == OFL_ISA_AVX512 || isa == OFL_ISA_AVX512_BF16)
         return (q8_kernels){ofl_adamq_kernel_avx512, ofl_q8_quant_avx512, ofl_q8_dequant_avx512};
     if (isa == OFL_ISA_AVX2) return (q8_kernels){ofl_adamq_kernel_avx2, ofl_q8_quant_avx2, ofl_q8_dequant_avx2};

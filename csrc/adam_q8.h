@@ -42,6 +42,12 @@ typedef struct {
      * wider than octaves. thr_or_none is thr with -1 for the last decade (none below it). */
     int32_t first_decade[2][32];
     float thr_or_none[2][OFL_Q8_DECADES_MAX];
+    /* The same by the biased exponent x of a (x & 31 for x = 96..127, i.e. 31 - e, smaller a
+     * clamped to x = 96), for a lookup by the exponent field itself; and thr_or_none of it. */
+    int32_t decade_by_exp[2][32];
+    float thr_by_exp[2][32];
+    /* Byte k of value[map][code] at plane[map][k][code] (the AVX512_VBMI lookups). */
+    uint8_t plane[2][4][256] __attribute__((aligned(64)));
 } ofl_q8_tables;
 
 /* Built once (pthread_once) by ofl_q8_tables_get; read only afterwards. */
@@ -76,6 +82,7 @@ OFL_Q8_DECLARE(scalar)
 #if OFL_HAVE_X86
 OFL_Q8_DECLARE(avx2)
 OFL_Q8_DECLARE(avx512)
+OFL_Q8_DECLARE(avx512vbmi)
 #endif
 
 /* ---- the scalar reference of each step, used by the scalar path and the AVX2 tails ---- */

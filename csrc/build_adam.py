@@ -15,7 +15,8 @@ sys.path.insert(0, str(HERE))
 from cffi_header import make_builder  # noqa: E402  (a sibling file, not the package)
 
 SOURCES = ["adam.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c", "adam_avx512bf16.c", "adam_undo.c",
-           "ofl_parallel.c", "adam_q8.c", "adam_q8_scalar.c", "adam_q8_avx2.c", "adam_q8_avx512.c"]
+           "ofl_parallel.c", "adam_q8.c", "adam_q8_scalar.c", "adam_q8_avx2.c", "adam_q8_avx512.c",
+           "adam_q8_avx512vbmi.c"]
 
 ffibuilder = make_builder("_adam", "ofl_adam.h", SOURCES, flags=["-O3", "-fno-math-errno"], libraries=["m"])
 
