@@ -45,9 +45,8 @@ static void build_decades(int map, int decades) {
     for (int d = 0; d < decades; d++) {
         int levels = 1 << (decades - 1 - d);
         tables.thr[map][d] = (float)(1.0 / (tens * 10.0));
-        tables.pow10[map][d] = (float)tens;
-        tables.slope[map][d] = (float)(levels / 0.9);
-        tables.base[map][d] = (1 << (decades - 1 - d)) - 1;
+        tables.gain[map][d] = (float)(tens * levels / 0.9);
+        tables.offset[map][d] = (float)((levels - 1) - 0.1 * levels / 0.9);
         tens *= 10.0;
     }
     tables.decades[map] = decades;

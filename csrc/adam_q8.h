@@ -20,20 +20,21 @@
 
 /* [Note: the code of a value]
  * a = min(|x| / scale, 1) (NaN -> 1). Its decade d is how many of 10^-1 .. 10^-(D-1) are >= a
- * (D decades in the map, [Note: the dynamic map] in adam_q8.c), and its place in that decade
- * s = fma(a, 10^d, -0.1) * (c_d / 0.9), which is 0 at 10^-(d+1) (the top value of the decade
- * below) and j + 1 at the decade's j-th value. The code is the decade's first code less one,
- * plus s rounded to the nearest integer (ties to even), clamped to the map: the nearest map value
- * but for float rounding near a midpoint, and below the smallest decade's midpoint with 10^-D,
- * zero. The same float operations on every path, each table a register or a few. */
+ * (D decades in the map, [Note: the dynamic map] in adam_q8.c), and its code, unrounded,
+ * s = fma(a, gain_d, offset_d) with gain_d = 10^d c_d / 0.9 and offset_d = c_d - 1 - 0.1 c_d / 0.9
+ * (each computed in double and rounded to float once): s is c_d - 1 (the top code of the decade
+ * below) at 10^-(d+1) and c_d + j, the code of the decade's j-th value, at that value. The code
+ * is s rounded to the nearest integer (ties to even), clamped to the map: the nearest map value
+ * but for float rounding within ~2^-16 of a level of a midpoint, and below the smallest decade's
+ * midpoint with 10^-D, zero. One fma and two lookups by d; the same float operations on every
+ * path, each table a register or a few. */
 #define OFL_Q8_DECADES_MAX 8
 
 typedef struct {
     float value[2][256];                     /* map -> code -> value */
     float thr[2][OFL_Q8_DECADES_MAX];        /* 10^-(k+1): a <= thr[k] is one decade further down */
-    float pow10[2][OFL_Q8_DECADES_MAX];      /* 10^d */
-    float slope[2][OFL_Q8_DECADES_MAX];      /* c_d / 0.9: levels of decade d over its width */
-    int32_t base[2][OFL_Q8_DECADES_MAX];     /* the code of decade d's first value, less one */
+    float gain[2][OFL_Q8_DECADES_MAX];       /* 10^d c_d / 0.9 */
+    float offset[2][OFL_Q8_DECADES_MAX];     /* c_d - 1 - 0.1 c_d / 0.9 (c_d - 1: the code before decade d) */
     int32_t decades[2];
     int32_t top[2];                          /* the largest magnitude code */
     /* The decade by the float's exponent (AVX-512): for a in [2^-e, 2^(1-e)), e = 0..31 (all
@@ -101,8 +102,7 @@ static inline uint8_t ofl_q8_code1(const ofl_q8_tables *t, int32_t map, float x,
     a = a < 1.0f ? a : 1.0f; /* NaN -> 1, as the vector min */
     int d = 0;
     for (int k = 0; k < t->decades[map] - 1; k++) d += a <= t->thr[map][k];
-    float s = fmaf(a, t->pow10[map][d], -0.1f) * t->slope[map][d];
-    int32_t idx = t->base[map][d] + (int32_t)lrintf(s);
+    int32_t idx = (int32_t)lrintf(fmaf(a, t->gain[map][d], t->offset[map][d]));
     idx = idx > 0 ? idx : 0;
     idx = idx < t->top[map] ? idx : t->top[map];
     if (map == OFL_Q8_MAP_UNSIGNED) {

@@ -37,11 +37,9 @@ OFL_AI __m256i code8(const ofl_q8_tables *t, int32_t map, __m256 x, __m256 inv) 
     __m256i d = _mm256_setzero_si256();
     for (int k = 0; k < t->decades[map] - 1; k++) /* a true compare is -1: subtract it */
         d = _mm256_sub_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(t->thr[map][k]), _CMP_LE_OQ)));
-    __m256 p10 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->pow10[map]), d);
-    __m256 slope = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->slope[map]), d);
-    __m256i base = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)t->base[map]), d);
-    __m256 s = _mm256_mul_ps(_mm256_fmadd_ps(a, p10, _mm256_set1_ps(-0.1f)), slope);
-    __m256i idx = _mm256_add_epi32(base, _mm256_cvtps_epi32(s));
+    __m256 gain = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->gain[map]), d);
+    __m256 offset = _mm256_permutevar8x32_ps(_mm256_loadu_ps(t->offset[map]), d);
+    __m256i idx = _mm256_cvtps_epi32(_mm256_fmadd_ps(a, gain, offset));
     idx = _mm256_min_epi32(_mm256_max_epi32(idx, _mm256_setzero_si256()), _mm256_set1_epi32(t->top[map]));
     if (map == OFL_Q8_MAP_UNSIGNED) {
         __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));

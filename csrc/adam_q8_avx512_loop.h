@@ -65,12 +65,10 @@ OFL_AI __m512i code16(const ofl_q8_tables *t, int32_t map, __m512 x, __m512 inv)
                                           _mm512_loadu_si512(t->first_decade[map] + 16));
     __m512 below = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->thr_or_none[map])));
     d = _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(a, below, _CMP_LE_OQ), d, one);
-    __m512 p10 = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->pow10[map])));
-    __m512 slope = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->slope[map])));
-    __m512i base = _mm512_permutexvar_epi32(d, _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)t->base[map])));
-    __m512 s = _mm512_mul_ps(_mm512_fmadd_ps(a, p10, _mm512_set1_ps(-0.1f)), slope);
-    /* s is in [-0.12, c_d] (a decade's own range, and below the last one's down to 0): no clamp */
-    __m512i idx = _mm512_add_epi32(base, _mm512_cvtps_epi32(s));
+    __m512 gain = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->gain[map])));
+    __m512 offset = _mm512_permutexvar_ps(d, _mm512_castps256_ps512(_mm256_loadu_ps(t->offset[map])));
+    /* s is in [-0.12, top] (a decade's own range, and below the last one's down to 0): no clamp */
+    __m512i idx = _mm512_cvtps_epi32(_mm512_fmadd_ps(a, gain, offset));
     if (map == OFL_Q8_MAP_UNSIGNED) {
         __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
         return _mm512_mask_max_epi32(idx, pos, idx, one);
@@ -173,8 +171,8 @@ OFL_AI int full_scale(__m512i amax, float *scale) {
 
 /* The constants of the code of one map in registers, the decade looked up by the exponent field. */
 typedef struct {
-    __m512i dx_lo, dx_hi, base;
-    __m512 tx_lo, tx_hi, p10, slope;
+    __m512i dx_lo, dx_hi;
+    __m512 tx_lo, tx_hi, gain, offset;
 } qtab16;
 
 OFL_AI void load_qtab16(const ofl_q8_tables *t, int32_t map, qtab16 *q) {
@@ -182,9 +180,8 @@ OFL_AI void load_qtab16(const ofl_q8_tables *t, int32_t map, qtab16 *q) {
     q->dx_hi = _mm512_loadu_si512(t->decade_by_exp[map] + 16);
     q->tx_lo = _mm512_loadu_ps(t->thr_by_exp[map]);
     q->tx_hi = _mm512_loadu_ps(t->thr_by_exp[map] + 16);
-    q->p10 = _mm512_castps256_ps512(_mm256_loadu_ps(t->pow10[map]));
-    q->slope = _mm512_castps256_ps512(_mm256_loadu_ps(t->slope[map]));
-    q->base = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)t->base[map]));
+    q->gain = _mm512_castps256_ps512(_mm256_loadu_ps(t->gain[map]));
+    q->offset = _mm512_castps256_ps512(_mm256_loadu_ps(t->offset[map]));
 }
 
 /* code16 where full_scale holds: no min(a, 1) (a is never NaN, and the few a above 1 code as
@@ -197,9 +194,8 @@ OFL_AI __m512i code16_full(const qtab16 *q, int32_t map, __m512 x, __m512 inv) {
     __m512i d = _mm512_permutex2var_epi32(q->dx_lo, ex, q->dx_hi);
     __m512 below = _mm512_permutex2var_ps(q->tx_lo, ex, q->tx_hi);
     d = _mm512_mask_add_epi32(d, _mm512_cmp_ps_mask(a, below, _CMP_LE_OQ), d, _mm512_set1_epi32(1));
-    __m512 s = _mm512_mul_ps(_mm512_fmadd_ps(a, _mm512_permutexvar_ps(d, q->p10), _mm512_set1_ps(-0.1f)),
-                             _mm512_permutexvar_ps(d, q->slope));
-    __m512i idx = _mm512_add_epi32(_mm512_permutexvar_epi32(d, q->base), _mm512_cvtps_epi32(s));
+    __m512i idx = _mm512_cvtps_epi32(
+        _mm512_fmadd_ps(a, _mm512_permutexvar_ps(d, q->gain), _mm512_permutexvar_ps(d, q->offset)));
     if (map == OFL_Q8_MAP_UNSIGNED) return _mm512_max_epi32(idx, _mm512_min_epi32(xb, _mm512_set1_epi32(1)));
     return _mm512_ternarylogic_epi32(idx, _mm512_srli_epi32(xb, 24), _mm512_set1_epi32(0x80), 0xf8); /* a | b & c */
 }
@@ -280,34 +276,56 @@ OFL_AI void dequant_full(const ofl_q8_tables *t, int32_t map, const uint8_t *cod
 }
 #endif
 
-/* One whole int8 block ([Note: the full-block pass]); returns 1 if a scaled gradient was not
- * finite. */
-OFL_AI int32_t block_full(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t gd, int32_t od, int l2,
-                          float *p, const void *g, uint8_t *m, uint8_t *v, float *ms, float *vs, void *out) {
-    float bm[OFL_Q8_BLOCK] __attribute__((aligned(64))), bv[OFL_Q8_BLOCK] __attribute__((aligned(64)));
-    dequant_full(t, OFL_Q8_MAP_SIGNED, m, ms[0], bm);
-    dequant_full(t, OFL_Q8_MAP_UNSIGNED, v, vs[0], bv);
+/* One whole int8 block between its two halves ([Note: the full-block pass]). */
+typedef struct {
+    float m[OFL_Q8_BLOCK] __attribute__((aligned(64))); /* the new moments */
+    float v[OFL_Q8_BLOCK] __attribute__((aligned(64)));
+    __m512i amax_m, amax_v; /* lane-wise maxima of their |x| bits */
+    float *p;
+    const void *g;
+    uint8_t *mc, *vc;
+    float *ms, *vs;
+    void *out;
+} staged_block;
+
+/* Passes (1) and (2): the moments dequantized and updated into b. unit: grad_scale is 1, and
+ * g * 1 is g (a signalling NaN quietened either way by what follows), so it is not multiplied. */
+OFL_AI void stage_moments(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t gd, int l2, int unit,
+                          staged_block *b) {
+    dequant_full(t, OFL_Q8_MAP_SIGNED, b->mc, b->ms[0], b->m);
+    dequant_full(t, OFL_Q8_MAP_UNSIGNED, b->vc, b->vs[0], b->v);
     const __m512 b1 = _mm512_set1_ps(c->beta1), omb1 = _mm512_set1_ps(c->one_minus_beta1);
     const __m512 b2 = _mm512_set1_ps(c->beta2), omb2 = _mm512_set1_ps(c->one_minus_beta2);
     const __m512 l2c = _mm512_set1_ps(c->l2_decay), gscale = _mm512_set1_ps(c->grad_scale);
-    __m512 bad = _mm512_setzero_ps();
     __m512i amax_m = _mm512_setzero_si512(), amax_v = _mm512_setzero_si512();
     const __m512i absmask = _mm512_set1_epi32(0x7fffffff);
     for (int i = 0; i < OFL_Q8_BLOCK; i += 16) {
-        __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, 0xffff, 0), gscale);
-        bad = _mm512_fmadd_ps(gv, _mm512_setzero_ps(), bad); /* g * 0 + bad: NaN once a g is not finite */
-        if (l2) gv = _mm512_fmadd_ps(l2c, _mm512_loadu_ps(p + i), gv);
-        __m512 mv = _mm512_fmadd_ps(b1, _mm512_load_ps(bm + i), _mm512_mul_ps(omb1, gv));
-        __m512 vv = _mm512_fmadd_ps(b2, _mm512_load_ps(bv + i), _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));
-        _mm512_store_ps(bm + i, mv);
-        _mm512_store_ps(bv + i, vv);
+        /* A scaled gradient that is not finite makes m not finite (so this block's scale too);
+         * stage_params looks for it only then. */
+        __m512 gv = load_grad16(gd, b->g, i, 0xffff, 0);
+        if (!unit) gv = _mm512_mul_ps(gv, gscale);
+        if (l2) gv = _mm512_fmadd_ps(l2c, _mm512_loadu_ps(b->p + i), gv);
+        __m512 mv = _mm512_fmadd_ps(b1, _mm512_load_ps(b->m + i), _mm512_mul_ps(omb1, gv));
+        __m512 vv = _mm512_fmadd_ps(b2, _mm512_load_ps(b->v + i), _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));
+        _mm512_store_ps(b->m + i, mv);
+        _mm512_store_ps(b->v + i, vv);
         amax_m = _mm512_max_epu32(amax_m, _mm512_and_si512(_mm512_castps_si512(mv), absmask));
         amax_v = _mm512_max_epu32(amax_v, _mm512_and_si512(_mm512_castps_si512(vv), absmask));
     }
+    b->amax_m = amax_m;
+    b->amax_v = amax_v;
+}
+
+/* Pass (3): the params, and both moments' codes and scales. Returns 1 if a scaled gradient was
+ * not finite. */
+OFL_AI int32_t stage_params(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t gd, int32_t od,
+                            staged_block *b) {
     const __m512 eps = _mm512_set1_ps(c->eps), step = _mm512_set1_ps(c->step_size);
     const __m512 ibc2 = _mm512_set1_ps(c->inv_bias2_sqrt), decay = _mm512_set1_ps(c->decay_mul);
+    float *p = b->p, *bm = b->m, *bv = b->v;
+    void *out = b->out;
     float sm, sv;
-    int fm = full_scale(amax_m, &sm), fv = full_scale(amax_v, &sv);
+    int fm = full_scale(b->amax_m, &sm), fv = full_scale(b->amax_v, &sv);
     if (fm && fv) { /* the params and both moments' codes in one pass */
         qtab16 qm, qv;
         load_qtab16(t, OFL_Q8_MAP_SIGNED, &qm);
@@ -325,22 +343,27 @@ OFL_AI int32_t block_full(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int3
                 cm[q] = code16_full(&qm, OFL_Q8_MAP_SIGNED, mv, im);
                 cv[q] = code16_full(&qv, OFL_Q8_MAP_UNSIGNED, vv, iv);
             }
-            store_codes64(m + i, cm[0], cm[1], cm[2], cm[3]);
-            store_codes64(v + i, cv[0], cv[1], cv[2], cv[3]);
+            store_codes64(b->mc + i, cm[0], cm[1], cm[2], cm[3]);
+            store_codes64(b->vc + i, cv[0], cv[1], cv[2], cv[3]);
         }
-    } else { /* a moment not finite (or a subnormal scale): the general codes */
-        for (int i = 0; i < OFL_Q8_BLOCK; i += 16) {
-            __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(bv + i)), ibc2, eps);
-            __m512 pv = _mm512_fnmadd_ps(step, _mm512_div_ps(_mm512_load_ps(bm + i), den),
-                                         _mm512_mul_ps(_mm512_loadu_ps(p + i), decay));
-            _mm512_storeu_ps(p + i, pv);
-            store_out16(od, out, i, pv, 0xffff, 0);
-        }
-        codes_block16(t, OFL_Q8_MAP_SIGNED, bm, m, ms, OFL_Q8_BLOCK, amax_m);
-        codes_block16(t, OFL_Q8_MAP_UNSIGNED, bv, v, vs, OFL_Q8_BLOCK, amax_v);
+        b->ms[0] = sm;
+        b->vs[0] = sv;
+        return 0;
     }
-    ms[0] = sm;
-    vs[0] = sv;
+    /* a moment not finite (or a subnormal scale): the general codes, and the gradients' test */
+    const __m512 gscale = _mm512_set1_ps(c->grad_scale);
+    __m512 bad = _mm512_setzero_ps();
+    for (int i = 0; i < OFL_Q8_BLOCK; i += 16) {
+        __m512 gv = _mm512_mul_ps(load_grad16(gd, b->g, i, 0xffff, 0), gscale);
+        bad = _mm512_add_ps(bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
+        __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(bv + i)), ibc2, eps);
+        __m512 pv = _mm512_fnmadd_ps(step, _mm512_div_ps(_mm512_load_ps(bm + i), den),
+                                     _mm512_mul_ps(_mm512_loadu_ps(p + i), decay));
+        _mm512_storeu_ps(p + i, pv);
+        store_out16(od, out, i, pv, 0xffff, 0);
+    }
+    codes_block16(t, OFL_Q8_MAP_SIGNED, bm, b->mc, b->ms, OFL_Q8_BLOCK, b->amax_m);
+    codes_block16(t, OFL_Q8_MAP_UNSIGNED, bv, b->vc, b->vs, OFL_Q8_BLOCK, b->amax_v);
     return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
 }
 
@@ -387,17 +410,35 @@ OFL_AI int32_t loop16(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int l2, 
     int64_t es = sd == OFL_STATE_Q8 ? 1 : 2;
     int64_t eg = gd == OFL_DTYPE_F32 ? 4 : 2, eo = od == OFL_DTYPE_F32 ? 4 : 2;
     int32_t bad = 0;
+    /* Whole int8 blocks in a software pipeline: block b's moments, then block b - 1's params
+     * and codes, so the wait for b - 1's scales is spent on b's work. */
+    staged_block st[2];
+    staged_block *pending = NULL;
+    const int unit = c->grad_scale == 1.0f;
     for (int64_t b = 0, i = 0; i < n; b++, i += OFL_Q8_BLOCK) {
         int64_t len = n - i < OFL_Q8_BLOCK ? n - i : OFL_Q8_BLOCK;
         if (sd == OFL_STATE_Q8 && len == OFL_Q8_BLOCK) {
-            bad |= block_full(t, c, gd, od, l2, p + i, (const char *)g + i * eg, (uint8_t *)m + i, (uint8_t *)v + i,
-                              ms + b, vs + b, out ? (char *)out + i * eo : NULL);
+            staged_block *sb = &st[b & 1];
+            sb->p = p + i;
+            sb->g = (const char *)g + i * eg;
+            sb->mc = (uint8_t *)m + i;
+            sb->vc = (uint8_t *)v + i;
+            sb->ms = ms + b;
+            sb->vs = vs + b;
+            sb->out = out ? (char *)out + i * eo : NULL;
+            if (unit) stage_moments(t, c, gd, l2, 1, sb);
+            else stage_moments(t, c, gd, l2, 0, sb);
+            if (pending) bad |= stage_params(t, c, gd, od, pending);
+            pending = sb;
             continue;
         }
+        if (pending) bad |= stage_params(t, c, gd, od, pending);
+        pending = NULL;
         bad |= block16(t, c, gd, od, l2, sd, p + i, (const char *)g + i * eg, (char *)m + i * es,
                        (char *)v + i * es, sd == OFL_STATE_Q8 ? ms + b : NULL,
                        sd == OFL_STATE_Q8 ? vs + b : NULL, out ? (char *)out + i * eo : NULL, len);
     }
+    if (pending) bad |= stage_params(t, c, gd, od, pending);
     return bad;
 }
 

@@ -34,9 +34,9 @@ def _mids(mag: np.ndarray) -> np.ndarray:
 def _decades(decades: int) -> dict:
     """The constants of the code rule (csrc/adam_q8.h, [Note: the code of a value])."""
     return dict(thr=np.array([1.0 / 10.0 ** (d + 1) for d in range(decades)], dtype=F32),
-                pow10=np.array([10.0 ** d for d in range(decades)], dtype=F32),
-                slope=np.array([2 ** (decades - 1 - d) / 0.9 for d in range(decades)], dtype=F32),
-                base=np.array([2 ** (decades - 1 - d) - 1 for d in range(decades)], dtype=np.int64),
+                gain=np.array([10.0 ** d * 2 ** (decades - 1 - d) / 0.9 for d in range(decades)], dtype=F32),
+                offset=np.array([(2 ** (decades - 1 - d) - 1) - 0.1 * 2 ** (decades - 1 - d) / 0.9
+                                 for d in range(decades)], dtype=F32),
                 decades=decades)
 
 
@@ -53,8 +53,8 @@ def quantize_block(x: np.ndarray, signed: bool) -> tuple[np.ndarray, F32]:
     a = np.where(a < F32(1), a, F32(1))  # NaN -> 1
     dec = SIGNED_DEC if signed else UNSIGNED_DEC
     d = sum((a <= dec["thr"][k]).astype(np.int64) for k in range(dec["decades"] - 1))
-    s = fma32(a, dec["pow10"][d], F32(-0.1)) * dec["slope"][d]
-    idx = np.clip(dec["base"][d] + np.rint(s).astype(np.int64), 0, 127 if signed else 255).astype(np.uint32)
+    s = fma32(a, dec["gain"][d], dec["offset"][d])
+    idx = np.clip(np.rint(s).astype(np.int64), 0, 127 if signed else 255).astype(np.uint32)
     if signed:
         idx |= (x.view(np.uint32) >> np.uint32(24)) & np.uint32(0x80)
     else:

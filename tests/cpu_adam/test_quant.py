@@ -231,3 +231,57 @@ def test_a_non_finite_gradient_is_reported(isa, sd):
     assert adam_step([torch.zeros(n)], [g], [mo.exp_avg], [mo.exp_avg_sq], [torch.zeros(1)], config=AdamConfig(isa=isa),
                      exp_avg_scales=[mo.exp_avg_scale] if q8 else None,
                      exp_avg_sq_scales=[mo.exp_avg_sq_scale] if q8 else None) is False  # gradients only
+
+
+def _edge_blocks(signed: bool) -> torch.Tensor:
+    """Whole blocks of the cases the whole-block path hands to the general one, or must not:
+    ordinary, subnormal (a scale whose reciprocal overflows), tiny normal, all zeros, all -0.0,
+    an inf and a NaN among ordinary values, one huge value."""
+    gen = torch.Generator().manual_seed(23)
+    blocks = [torch.randn(256, generator=gen), torch.randn(256, generator=gen) * 1e-40,
+              torch.randn(256, generator=gen) * 1e-37, torch.zeros(256), torch.full((256,), -0.0)]
+    for bad in (float("inf"), float("nan"), 3e38):
+        b = torch.randn(256, generator=gen)
+        b[77] = bad
+        blocks.append(b)
+    x = torch.cat(blocks)
+    return x if signed else x.abs()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference's inf and NaN arithmetic
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("signed", [True, False])
+def test_whole_blocks_at_the_edges_match_reference(isa, signed):
+    x = _edge_blocks(signed)
+    codes, scales = quantize(x, signed=signed, isa=isa)
+    want_codes, want_scales = ref.quantize(x.numpy(), signed)
+    assert np.array_equal(scales.numpy().view(np.uint32), want_scales.view(np.uint32))
+    assert np.array_equal(codes.numpy(), want_codes)
+    back = dequantize(codes, scales, signed=signed, isa=isa)
+    assert np.array_equal(back.numpy().view(np.uint32), ref.dequantize(want_codes, want_scales, signed).view(np.uint32))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad_scale", [1.0, 0.5])
+@pytest.mark.parametrize("case", ["inf_grad", "nan_grad", "v_overflows", "finite"])
+def test_whole_blocks_with_non_finite_values_match_reference(isa, grad_scale, case):
+    """Four whole blocks, the third one's gradient not finite (reported) or so large that v
+    overflows with the gradient finite (not reported); every bit as the reference's."""
+    n = 4 * 256
+    gen = torch.Generator().manual_seed(29)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen)
+    g[600] = {"inf_grad": float("inf"), "nan_grad": float("nan"), "v_overflows": 1e30, "finite": 3.0}[case]
+    mo = _moments("int8", n, 31)
+    m0, v0 = _ref_moments("int8", mo)
+    c = ref.coeffs(**HYPER, adamw_mode=True, step=1.0, grad_scale=grad_scale)
+    wp, wm, wv = ref.step(p.numpy().copy(), g.numpy(), m0, v0, c)
+    bad = _call([p], [g], [mo], [torch.zeros(1)], AdamConfig(**HYPER, isa=isa), grad_scale=grad_scale)
+    assert bad is (case in ("inf_grad", "nan_grad"))
+    assert np.array_equal(p.numpy().view(np.uint32), wp.view(np.uint32))
+    cm, sm = ref.quantize(wm, True)
+    cv, sv = ref.quantize(wv, False)
+    assert np.array_equal(mo.exp_avg_scale.numpy().view(np.uint32), sm.view(np.uint32))
+    assert np.array_equal(mo.exp_avg_sq_scale.numpy().view(np.uint32), sv.view(np.uint32))
+    assert np.array_equal(mo.exp_avg.numpy(), cm) and np.array_equal(mo.exp_avg_sq.numpy(), cv)
