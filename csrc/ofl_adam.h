@@ -140,7 +140,8 @@ int32_t ofl_stream_inplace(float *a, const float *b, float *c, float *d, int64_t
  * [-1, 1] (exp_avg, OFL_Q8_MAP_SIGNED) or [0, 1] (exp_avg_sq, OFL_Q8_MAP_UNSIGNED):
  * the dynamic (base-10 exponent) map of Dettmers et al. 2022, "8-bit Optimizers via
  * Block-wise Quantization", see adam_q8.c. A value is map[code] * scale; quantizing
- * picks the nearest map value to x / scale (a tie goes to the smaller), and a positive
+ * picks the nearest map value to x / scale (but for float rounding near a midpoint:
+ * [Note: the code of a value] in adam_q8.h), and a positive
  * exp_avg_sq is never coded as zero, so sqrt(v) + eps never collapses for an element
  * that has seen a gradient. One fused pass per block dequantizes, updates (the fp32
  * update sees the fresh fp32 moments) and requantizes; threads take whole blocks, so
