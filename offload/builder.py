@@ -33,6 +33,7 @@ from offload.schedulers import build_scheduler
 from offload.tiers import Tier, open_tier, plan_bytes
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
+from offload.zero.node_buffers import open_node_buffers, write_own_shards
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 from offload.zero.overlap import OverlappedStep, overlap_wanted
 from offload.zero.stage3 import build_stage3, replace_meta_params
@@ -191,6 +192,23 @@ def _flatten(model: torch.nn.Module, layout: FlatLayout, params: list[torch.nn.P
     return flat
 
 
+def _node_buffers(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, shard: bool,
+                  params: list[torch.nn.Parameter], flat: torch.Tensor):
+    """Stages 1-2 on the CPU over several ranks of one node: the shared param and gradient buffers, the
+    params moved into them (each rank's own shards written: [Note: node-shared buffers]); else None."""
+    if not (shard and ranks.device.type == "cpu" and cfg.offload.node_shared_buffers):
+        return None
+    node = open_node_buffers(layout.total_numel, flat.dtype, group=ranks.group, rank=layout.rank,
+                             world=layout.world_size)
+    if node is None:
+        return None
+    write_own_shards(node, [(b.shard_start(layout.rank), b.shard_numel) for b in layout.buckets], flat)
+    with torch.no_grad():
+        for slot, p in zip(layout.slots, params):
+            p.data = node.params[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    return node
+
+
 def _scheduler(lr_scheduler: Any, config: EngineConfig, optimizer: torch.optim.Optimizer) -> Any:
     if lr_scheduler is not None:
         return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
@@ -251,7 +269,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     shard = zero.stage >= 1 and ranks.world_size > 1
     overlap = overlap_wanted(cfg.offload.overlap_step, device_type=ranks.device.type, stage=zero.stage,
                              offloaded=offloaded, delayed=cfg.offload.delayed_update)
-    parts = None
+    parts, node = None, None
     if stage3:
         parts = build_stage3(model, [g["params"] for g in groups], names, zero=zero, aio=cfg.aio,
                              checksum=cfg.offload.checksum, dtype=dtype, device=ranks.device, rank=ranks.rank,
@@ -270,7 +288,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                             sub_group_numel=sub_group)  # overlap: buckets no larger than a sub-group
         logger.info("rank %d: %s", ranks.rank, layout.describe())
         flat_params = _flatten(model, layout, params, dtype, ranks.device)
-        flat_grads = torch.zeros_like(flat_params)
+        node = _node_buffers(cfg, layout, ranks, shard, params, flat_params)
+        if node is not None:  # [Note: node-shared buffers] in offload.zero.node_buffers
+            flat_params, flat_grads = node.params, node.grads[layout.rank]
+        else:
+            flat_grads = torch.zeros_like(flat_params)
 
     t0 = time.perf_counter()
     window = _state_window(cfg, layout) if device_kind == OffloadDevice.NVME else zero.offload_optimizer.buffer_count
@@ -300,11 +322,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         adam = PartitionedAdam(layout, storage, flat_params, optimizer=facade, adamw_mode=opt.adamw_mode,
                                bias_correction=opt.bias_correction, group=ranks.group, comm_world=ranks.world_size,
                                gather=shard, params_out=parts.shards.params_out if parts else None,
-                               after_step=parts.coordinator.after_step if parts else None, fetcher=fetcher)
+                               after_step=parts.coordinator.after_step if parts else None, fetcher=fetcher,
+                               node=node)
         reducer = UnitGradReducer(layout, params, group=ranks.group, comm_world=ranks.world_size, land=adam.land,
                                   fetcher=fetcher) \
             if stage3 else GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
-                                       comm_world=ranks.world_size, land=adam.land, fetcher=fetcher)
+                                       comm_world=ranks.world_size, land=adam.land, fetcher=fetcher, node=node)
         scheduler = _scheduler(lr_scheduler, cfg, facade)
         loader = _dataloader(training_data, cfg, ranks, collate_fn) if training_data is not None else None
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,

@@ -374,6 +374,11 @@ class OffloadSectionConfig:
     """How the offloaded Adam moments are stored (the fp32 master is kept): "fp32" (the bit-exact
     default), "bf16", or "int8" (blockwise dynamic 8-bit codes with a float32 scale per 256 elements;
     see cpu_adam.quant). Needs offload_optimizer device cpu or nvme."""
+    node_shared_buffers: bool = True
+    """Stages 1-2 on the CPU with every rank on one node: the ranks share one param buffer and read
+    each other's gradient buffers in shared memory (/dev/shm) instead of reduce-scattering and
+    all-gathering through the process group ([Note: node-shared buffers], offload.zero.node_buffers);
+    the same sums for two ranks. Where a rank cannot map it, the process group as before."""
     release_host_heap: bool = True
     """Hand the host heap's free pages back to the kernel at an optimizer step when resident memory
     has crept 64 MiB past where it settled, so it stays near what is live ([Note: host heap creep],
@@ -384,7 +389,7 @@ class OffloadSectionConfig:
         _text(self, "job_id")
         _int(self, "host_memory_bytes", 1, optional=True)
         _int(self, "swap_capacity_bytes", 1, optional=True)
-        _bool(self, "checksum", "delayed_update", "release_host_heap")
+        _bool(self, "checksum", "delayed_update", "release_host_heap", "node_shared_buffers")
         _int(self, "delayed_update_warmup_steps", 0)
         if self.overlap_step not in (True, False, "auto"):
             _fail(self, "overlap_step", 'true, false or "auto"')

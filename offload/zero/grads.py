@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from offload.zero.collectives import reduce_scatter_single
 from offload.zero.layout import Bucket, FlatLayout
+from offload.zero.node_buffers import NodeBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,12 @@ class GradReducer:
     """Hooks on the parameters; buckets reduced as they complete; landed in order."""
 
     def __init__(self, layout: FlatLayout, flat_grads: torch.Tensor, params: Sequence[torch.nn.Parameter], *,
-                 stage: int, group: dist.ProcessGroup | None, comm_world: int, land: Land, fetcher: Any = None) -> None:
+                 stage: int, group: dist.ProcessGroup | None, comm_world: int, land: Land, fetcher: Any = None,
+                 node: NodeBuffers | None = None) -> None:
         """``fetcher`` (``offload.gpu.Fetcher``; a GPU model whose optimizer state is on the host): reduced
-        buckets go to pinned host buffers on its D2H stream while backward goes on, and land after it."""
+        buckets go to pinned host buffers on its D2H stream while backward goes on, and land after it.
+        ``node`` (stages 1-2, ranks of one node): ``flat_grads`` is this rank's buffer in it, and the
+        shards are summed from the ranks' buffers after backward ([Note: node-shared buffers])."""
         self.layout = layout
         self.flat_grads = flat_grads
         self.params = list(params)
@@ -61,6 +65,7 @@ class GradReducer:
         self.comm_world = comm_world
         self._land = land
         self._fetcher = fetcher
+        self._node = node if comm_world > 1 and stage >= 1 else None
         self._host: dict[int, torch.Tensor] = {}  # bucket -> pinned host copy of its reduced gradient
         self._offloading: list[tuple[Bucket, torch.Tensor, Any]] = []  # D2H in flight: (bucket, host, pending)
         self._bucket_of = {}
@@ -164,6 +169,8 @@ class GradReducer:
             elif not self._land(b, shard_source(buf, b.start), self._first, self._final, True):
                 buf.zero_()
             return
+        if self._node is not None:  # summed in end(), once every rank's backward is done
+            return
         if self.stage == 0:
             work = dist.all_reduce(buf, group=self.group, async_op=True)
             self._inflight.append((b, buf, work))
@@ -181,6 +188,8 @@ class GradReducer:
         for b in self.layout.buckets:
             if not self._launched[b.index]:
                 self._launch(b)
+        if self._node is not None:
+            self._reduce_on_node()
         inflight, self._inflight = self._inflight, []
         for b, shard, work in inflight:
             work.wait()
@@ -191,6 +200,19 @@ class GradReducer:
         self._active = False
         self._stealing = False
         self._zeros = True
+
+    def _reduce_on_node(self) -> None:
+        """Every bucket's shard of this rank summed over the ranks' buffers, landed, and zeroed in each
+        buffer, between two barriers ([Note: node-shared buffers] in ``offload.zero.node_buffers``)."""
+        self._node.barrier()  # every rank's backward has written its gradients (and read the params)
+        rank = self.layout.rank
+        for b in self.layout.buckets:
+            out = self._scratch.get(b.index)
+            if out is None:
+                out = self._scratch[b.index] = torch.empty(b.shard_numel, dtype=self.flat_grads.dtype)
+            self._node.reduce_shard(b.shard_start(rank), b.shard_numel, out)
+            self._land(b, shard_source(out, b.shard_start(rank)), self._first, self._final, False)
+        self._node.barrier()  # every shard read and zeroed before any rank's next backward writes there
 
     def _reduced(self, b: Bucket, shard: torch.Tensor) -> None:
         """A bucket whose reduction has finished: to the host (a GPU model) or landed."""

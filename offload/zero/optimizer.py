@@ -76,10 +76,12 @@ class PartitionedAdam:
                  optimizer: OffloadOptimizer, adamw_mode: bool, bias_correction: bool,
                  group: dist.ProcessGroup | None, comm_world: int, gather: bool, num_threads: int | None = None,
                  params_out: Callable[[Piece], torch.Tensor] | None = None,
-                 after_step: Callable[[], None] | None = None, fetcher: Any = None) -> None:
+                 after_step: Callable[[], None] | None = None, fetcher: Any = None, node: Any = None) -> None:
         """``params_out`` (stage 3): where a piece's updated low-precision params go instead of the
         flat buffer (this rank's shard; nothing is gathered after the step); ``after_step`` runs then.
-        ``fetcher`` (``offload.gpu.Fetcher``, a GPU model): copies the staged params to the device."""
+        ``fetcher`` (``offload.gpu.Fetcher``, a GPU model): copies the staged params to the device.
+        ``node`` (``offload.zero.node_buffers.NodeBuffers``): ``flat_params`` is the ranks' shared param
+        buffer, so the all-gather after a step is a barrier ([Note: node-shared buffers])."""
         self.layout = layout
         self.storage = storage
         self.flat_params = flat_params
@@ -103,6 +105,7 @@ class PartitionedAdam:
             raise ConfigError("optimizer.params.bias_correction false is not supported with the optimizer "
                               "state on a GPU (torch's Adam always corrects): offload it to cpu or nvme")
         self._fetcher = fetcher
+        self._node = node
         self._fetch_pending = None  # the last staging -> device copy, until its sources may be rewritten
         self._staging = None
         if self._on_host and flat_params.device.type != "cpu" and params_out is None:
@@ -216,6 +219,8 @@ class PartitionedAdam:
     def publish(self) -> None:
         """The updated params into the model: staging to the flat buffer, shards all-gathered."""
         if self._staging is not None:
+            if self._node is not None:  # no rank reads the shared params while the staged shards go in
+                self._node.barrier()
             self._copy_staging_to_device()
         if self.gather and self._params_out is None:
             self._all_gather()
@@ -345,6 +350,9 @@ class PartitionedAdam:
             self._fetch_pending = None
 
     def _all_gather(self) -> None:
+        if self._node is not None:  # every rank wrote its shard into the one shared buffer
+            self._node.barrier()
+            return
         works = []
         for b in self.layout.buckets:
             full = self.flat_params[b.start:b.start + b.numel]

@@ -13,6 +13,15 @@ before the module's backward; a unit is released in backward once every one of i
 parameters' gradients has been accumulated (or when backward ends). Persistent units stay
 gathered. After an optimizer step the shards are new: every gathered unit is refreshed.
 
+[Note: gather by alias] With one rank computing on the CPU and the shards in host memory for
+good (offload_param cpu or none), a shard is the unit's full params, in the compute dtype and
+the same layout: gathering points the parameters' ``.data`` at the shard instead of copying it
+(DeepSpeed does the same with one rank), and releasing points them back at the empty unit
+buffer. Tensors autograd saved from a gathered unit view the shard, whose memory stays; the
+step writes the new params into the shards after backward, and ``after_step`` frees (un-points)
+every unit as before. A gathered unit then holds no memory of its own (``peak_live_bytes``
+counts none), and forward and backward skip two copies of the model per step.
+
 [Note: fetch order] Every step records the order units are fetched in (forward and
 backward). The last step's order drives the next: when unit u is fetched at position i,
 the shards of the units after i are prefetched from NVMe to host memory, up to
@@ -108,6 +117,11 @@ class ParamCoordinator:
                         .view(slot.shape)
         for full in self._full:
             full.untyped_storage().resize_(0)
+        self._params = list(params)
+        self._empty = [p.data for p in self._params]  # the views of the unit buffers, for a release
+        # [Note: gather by alias] one rank computing on the CPU with the shards in host memory for good
+        self._alias = world_size == 1 and fetcher is None and shards.device.type == "cpu" and not shards.nvme
+        self._aliased = [False] * len(layout.buckets)
         self._fwd_refs = [0] * len(layout.buckets)
         self._bwd_pending = [0] * len(layout.buckets)  # params of a unit whose grads backward still owes
         self._kept: list[int] = []  # released but still gathered (reuse), oldest first
@@ -134,7 +148,7 @@ class ParamCoordinator:
     # -- gather and release ----------------------------------------------------------------
 
     def is_gathered(self, u: int) -> bool:
-        return self._full[u].untyped_storage().nbytes() > 0
+        return self._aliased[u] or self._full[u].untyped_storage().nbytes() > 0
 
     def _live_numel(self) -> int:
         return sum(self._numel[u] for u in range(len(self._full))
@@ -158,7 +172,16 @@ class ParamCoordinator:
         self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
     def _copy_in(self, u: int) -> None:
-        """The plain gather: the shard copied (one rank) or all-gathered into the unit's buffer."""
+        """The plain gather: the shard copied (one rank) or all-gathered into the unit's buffer; or, one
+        rank on the CPU, the params pointed at the shard itself ([Note: gather by alias])."""
+        if self._alias:
+            shard = self.shards.acquire(u)  # held until the unit is freed (a host shard never moves)
+            b = self.layout.buckets[u]
+            for i in b.slots:
+                slot = self.layout.slots[i]
+                self._params[i].data = shard[slot.offset - b.start:slot.offset - b.start + slot.numel].view(slot.shape)
+            self._aliased[u] = True
+            return
         full = self._full[u]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         t0 = time.perf_counter()
@@ -176,6 +199,11 @@ class ParamCoordinator:
     def _free(self, u: int) -> None:
         if self._device is not None:
             self._device.forget(u)
+        if self._aliased[u]:
+            for i in self.layout.buckets[u].slots:
+                self._params[i].data = self._empty[i]
+            self._aliased[u] = False
+            self.shards.release(u, dirty=False)
         self._full[u].untyped_storage().resize_(0)
 
     def _in_use(self, u: int) -> bool:

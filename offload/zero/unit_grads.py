@@ -12,6 +12,12 @@ the end, so every rank runs the same collectives and the accumulators hold no st
 
 Stage 3 reduces every micro-step (as stage 2): the accumulators sum micro-steps (``first``).
 
+[Note: gradients landed from the params] With one rank and the model on the CPU there is nothing
+to reduce: a unit's gradients are kept as autograd gave them (``.grad`` dropped at once all the
+same) and, when the unit's last one has come, landed from those tensors straight into the
+accumulators (zeros read for the padding and unreached params), with no unit buffer and no copy
+into it; they are freed as the unit lands. ``peak_buffer_bytes`` stays 0.
+
 [Note: unit buffers reused] A host unit's buffer, once landed (or reduced), is kept as the spare
 for the next unit of the same size in this backward (a GPT's blocks are all one size) instead of
 a fresh ``torch.zeros``: that memset and allocation cost as much as the gradients' own copies.
@@ -71,6 +77,10 @@ class UnitGradReducer:
         self._reused: set[int] = set()  # units whose buffer was a spare: unreached slots need zeros
         self._gaps: dict[int, list[tuple[int, int]]] = {}  # unit -> ranges no slot covers
         self._got: list[set[int]] = []  # per unit, the slots whose gradient came this micro-step
+        # [Note: gradients landed from the params] one rank, the model on the CPU: no unit buffer
+        self._direct = comm_world == 1 and fetcher is None and all(p.device.type == "cpu" for p in self.params)
+        self._held: dict[int, dict[int, torch.Tensor]] = {}  # unit -> slot -> the gradient autograd gave
+        self._zeros: torch.Tensor | None = None  # read for the padding and unreached params
         self._active = False
         self._first = True
         self._final = True
@@ -119,8 +129,11 @@ class UnitGradReducer:
             if not self._active or param.grad is None:
                 return  # a backward outside engine.backward: the grad stays on the param
             u = self._unit_of[index]
-            start = slot.offset - self.layout.buckets[u].start
-            self._buffer(u)[start:start + slot.numel].view(slot.shape).copy_(param.grad)
+            if self._direct:
+                self._held.setdefault(u, {})[index] = param.grad.contiguous().view(-1)
+            else:
+                start = slot.offset - self.layout.buckets[u].start
+                self._buffer(u)[start:start + slot.numel].view(slot.shape).copy_(param.grad)
             self._got[u].add(index)
             param.grad = None
             self._pending[u] -= 1
@@ -139,6 +152,9 @@ class UnitGradReducer:
     def _launch(self, u: int) -> None:
         self._launched[u] = True
         b = self.layout.buckets[u]
+        if self._direct:
+            self._land(b, self._held_source(b, self._held.pop(u, {})), self._first, self._final)
+            return
         buf = self._bufs.pop(u, None)
         if buf is None:
             buf = self._buffer(u)
@@ -158,6 +174,35 @@ class UnitGradReducer:
         out = torch.empty(b.shard_numel, dtype=buf.dtype, device=buf.device)
         work = reduce_scatter_single(out, buf, group=self.group, async_op=True)
         self._inflight.append((b, out, buf, work))
+
+    def _held_source(self, b: Bucket, held: dict[int, torch.Tensor]):
+        """The unit's gradient as the tensors autograd gave (``Source`` of ``offload.zero.grads``):
+        zeros in the padding and for parameters no gradient reached, as a zeroed buffer would hold."""
+        pieces, at = [], 0  # (offset in the unit, 1-D tensor), covering [0, b.numel)
+        for i in sorted(b.slots, key=lambda i: self.layout.slots[i].offset):
+            lo, n = self.layout.slots[i].offset - b.start, self.layout.slots[i].numel
+            if lo > at:
+                pieces.append((at, self._zeros_of(lo - at)))
+            g = held.get(i)
+            pieces.append((lo, g if g is not None else self._zeros_of(n)))
+            at = lo + n
+        if at < b.numel:
+            pieces.append((at, self._zeros_of(b.numel - at)))
+
+        def source(start: int, numel: int) -> list[tuple[int, torch.Tensor]]:
+            out, lo, hi = [], start - b.start, start - b.start + numel
+            for off, t in pieces:
+                a, z = max(lo, off), min(hi, off + t.numel())
+                if a < z:
+                    out.append((a - lo, t[a - off:z - off]))
+            return out
+        return source
+
+    def _zeros_of(self, numel: int) -> torch.Tensor:
+        dtype = self.params[0].dtype
+        if self._zeros is None or self._zeros.numel() < numel or self._zeros.dtype != dtype:
+            self._zeros = torch.zeros(numel, dtype=dtype)
+        return self._zeros[:numel]
 
     def _finish(self, entry) -> None:
         b, out, buf, work = entry
@@ -203,6 +248,7 @@ class UnitGradReducer:
         while self._offloading:
             self._landed_from_host(*self._offloading.pop(0))
         self._spares.clear()
+        self._held.clear()
         self._active = False
 
     def zero(self) -> None:

@@ -5,7 +5,10 @@ mean of the ranks' losses, as each half is the same size), the gradient norm bef
 clipping (global: the same on every rank), the layout's sizes, and this rank's final params.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/offload/ranks_worker.py \
-        OUT_DIR NVME_DIR STEPS GLOBAL_BATCH GRADIENT_CLIPPING 1:cpu 2:nvme ...
+        OUT_DIR NVME_DIR STEPS GLOBAL_BATCH GRADIENT_CLIPPING 1:cpu 2:nvme 2:cpu:gloo 2:cpu:gas2 ...
+
+A run is STAGE:DEVICE[:gloo][:gas2]: "gloo" turns offload.node_shared_buffers off (the process
+group's collectives), "gas2" splits each rank's half-batch into two micro-batches.
 """
 from __future__ import annotations
 
@@ -34,23 +37,26 @@ def main(out_dir: str, nvme_dir: str, steps: int, batch: int, clip: float, runs:
     rank, world, mine = start_rank(steps, batch)
     results = {}
     for run in runs:
-        stage, device = run.split(":")
+        stage, device, *opts = run.split(":")  # opts: "gloo" (no node-shared buffers), "gas2"
+        gas = 2 if "gas2" in opts else 1
         model, _ = twin_models()
-        config = engine_config(stage=int(stage), device=device, nvme_path=nvme_dir, batch_size=batch,
-                               world_size=world, gradient_clipping=clip)
+        config = engine_config(stage=int(stage), device=device, nvme_path=nvme_dir, batch_size=batch // gas,
+                               world_size=world, gradient_clipping=clip, gas=gas,
+                               offload={"node_shared_buffers": "gloo" not in opts})
         layout = {}
         norms = []
 
         def inspect(engine, step):
             norms.append(engine.get_global_grad_norm())
+            layout.update(node_shared=engine.reducer._node is not None)
             layout.update(world_size=engine.layout.world_size, total_numel=engine.layout.total_numel,
                           partition_numel=engine.layout.partition_numel, engine_world_size=engine.world_size)
 
-        losses, params = run_engine(model, config, mine, on_step=inspect)
+        losses, params = run_engine(model, config, mine, gas=gas, on_step=inspect)
         total = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(total)
         results[run] = {"losses": (total / world).tolist(), "norms": norms, "layout": layout}
-        torch.save(params, os.path.join(out_dir, f"params_{stage}_{device}_rank{rank}.pt"))
+        torch.save(params, os.path.join(out_dir, f"params_{run.replace(':', '_')}_rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(out_dir, "losses.json"), "w") as f:
             json.dump(results, f)

@@ -26,6 +26,8 @@ STEPS = 30
 BATCH = 8
 CLIP = 1.0
 RUNS = ["0:none", "1:cpu", "1:nvme", "2:cpu", "2:nvme"]
+# the same through the process group's collectives (no node-shared buffers), and with accumulation
+TWINS = [("1:cpu", "1:cpu:gloo"), ("2:cpu", "2:cpu:gloo"), ("2:cpu:gas2", "2:cpu:gas2:gloo")]
 TIMEOUT_SECONDS = 300
 
 
@@ -36,13 +38,21 @@ def two_ranks(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     env.pop("OFFLOAD_DAEMON_SOCKET", None)
+    runs = RUNS + [r for pair in TWINS for r in pair if r not in RUNS]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
-           str(out), str(nvme), str(STEPS), str(BATCH), str(CLIP), *RUNS]
+           str(out), str(nvme), str(STEPS), str(BATCH), str(CLIP), *runs]
+    shm_before = _node_files()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert not list(nvme.iterdir()), "the engines left swap files behind"
+    assert not _node_files() - shm_before, "the engines left their node-shared buffers in /dev/shm"
     with open(out / "losses.json") as f:
         return out, json.load(f)
+
+
+def _node_files() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("offload-ranks-*")} if shm.is_dir() else set()
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +73,7 @@ def test_two_ranks_match_one(run, two_ranks, torch_oracle, tmp_path):
     assert layout["engine_world_size"] == 2
     if stage != "0":  # stages 1-2 partition the state: each rank owns half
         assert layout["world_size"] == 2 and 2 * layout["partition_numel"] == layout["total_numel"]
+    assert layout["node_shared"] == (stage != "0"), "stages 1-2 on one node share their buffers by default"
     model, _ = twin_models()
     config = engine_config(stage=int(stage), device=device, nvme_path=tmp_path, batch_size=BATCH,
                            gradient_clipping=CLIP)
@@ -78,3 +89,19 @@ def test_two_ranks_match_one(run, two_ranks, torch_oracle, tmp_path):
         assert torch.equal(rank0[name], rank1[name]), f"{name}: the ranks disagree"
         torch.testing.assert_close(rank0[name], ref_params[name], msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(rank0[name], one_params[name], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("shared,gloo", TWINS, ids=[t[0] for t in TWINS])
+def test_node_shared_buffers_give_the_process_groups_bits(shared, gloo, two_ranks):
+    """The ranks' shared param buffer and summed gradient shards ([Note: node-shared buffers]) give
+    exactly the losses, gradient norms and params of gloo's reduce-scatter and all-gather, with and
+    without accumulation (every micro-step reduced, the shards zeroed for the next)."""
+    out, results = two_ranks
+    assert results[shared]["layout"]["node_shared"] and not results[gloo]["layout"]["node_shared"]
+    assert results[shared]["losses"] == results[gloo]["losses"]
+    assert results[shared]["norms"] == results[gloo]["norms"]
+    tag = lambda run, rank: out / f"params_{run.replace(':', '_')}_rank{rank}.pt"  # noqa: E731
+    for rank in (0, 1):
+        mine, theirs = torch.load(tag(shared, rank)), torch.load(tag(gloo, rank))
+        for name in theirs:
+            assert torch.equal(mine[name], theirs[name]), f"rank {rank}, {name}: differs from the process group's"

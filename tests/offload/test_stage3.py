@@ -89,22 +89,23 @@ def _deep():
 UNIT, UNITS, PERSISTENT = 32 * 32, 8, 8 * 32  # Deep(): a unit per weight; the biases are persistent
 
 
+@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
 @pytest.mark.parametrize("max_live,reuse,units_held", [
     (2500, 0, 1),  # nothing kept for reuse: only the unit in use
     (0, 0, 1),  # a limit below one unit: the unit in use still is gathered, nothing else
     (2500, 10 ** 9, 2),  # reuse wanted, but 2 units fit under 2500 elements and 3 do not
     (10 ** 9, 10 ** 9, UNITS),  # no limit: every unit stays gathered between forward and backward
 ])
-def test_gathered_parameters_stay_within_max_live(tmp_path, max_live, reuse, units_held):
+def test_gathered_parameters_stay_within_max_live(tmp_path, max_live, reuse, units_held, param_device):
     """Eight 32x32 layers. The peak of gathered non-persistent elements never passes
     max(max_live, one unit), and is exactly the units the limits allow (from element counts); the
-    bytes the unit buffers' storages held at the peak are those elements plus the persistent unit's.
-    Training still matches torch."""
+    bytes the unit buffers' storages held at the peak are those elements plus the persistent unit's
+    (none with the shards in host memory on one rank: gathered by alias). Training still matches torch."""
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)) for _ in range(6)]
     ref_losses = _torch_run(_deep(), data)
     net = _deep()
-    config = w.config("cpu", "cpu", str(tmp_path), stage3_max_live_parameters=max_live,
+    config = w.config("cpu", param_device, str(tmp_path), stage3_max_live_parameters=max_live,
                       stage3_max_reuse_distance=reuse)
     config["train_batch_size"] = 4
     engine, _, _, _ = initialize(model=net, config=config)
@@ -115,7 +116,44 @@ def test_gathered_parameters_stay_within_max_live(tmp_path, max_live, reuse, uni
         assert stats.peak_live_numel <= max(max_live, UNIT)
         assert stats.peak_live_numel == units_held * UNIT
         padded_persistent = -(-PERSISTENT // 64) * 64  # the persistent unit is padded to ALIGN_ELEMENTS
-        assert stats.peak_live_bytes == 4 * (units_held * UNIT + padded_persistent)
+        held = 4 * (units_held * UNIT + padded_persistent) if param_device == "nvme" else 0
+        assert stats.peak_live_bytes == held
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("param_device", ["cpu", "none"])
+def test_one_rank_on_the_cpu_gathers_by_pointing_at_the_shard(tmp_path, param_device):
+    """[Note: gather by alias]: gathered, every parameter is a view of its unit's shard (its address
+    inside the shard, no copy: a write to the shard shows in the parameter); released, it holds no
+    memory again; and the model trains as torch's (the step's writes reach the params)."""
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)) for _ in range(4)]
+    ref_losses = _torch_run(_deep(), data)
+    net = _deep()
+    config = w.config("cpu", param_device, str(tmp_path), stage3_max_reuse_distance=0)
+    config["train_batch_size"] = 4
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        losses = _engine_run(engine, data)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        coordinator, layout = engine.stage3.coordinator, engine.stage3.layout
+        params = list(net.parameters())
+        units = [b for b in layout.buckets if b.index not in coordinator.plan.persistent]
+        with coordinator.gathered_units(range(len(layout.buckets)), free=True):
+            for b in units:
+                shard = engine.stage3.shards.acquire(b.index)
+                try:
+                    for i in b.slots:
+                        lo = layout.slots[i].offset - b.start
+                        assert params[i].data_ptr() == shard[lo:].data_ptr(), f"param {i} is not its shard"
+                    before = params[b.slots[0]].detach().clone()
+                    shard[layout.slots[b.slots[0]].offset - b.start] += 1.0
+                    assert params[b.slots[0]].detach().view(-1)[0] == before.view(-1)[0] + 1.0
+                    shard[layout.slots[b.slots[0]].offset - b.start] -= 1.0
+                finally:
+                    engine.stage3.shards.release(b.index, dirty=False)
+        assert all(params[i].untyped_storage().nbytes() == 0 for b in units for i in b.slots)
     finally:
         engine.close()
 

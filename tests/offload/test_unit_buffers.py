@@ -1,5 +1,6 @@
-"""Stage 3's unit gradient buffers, reused from unit to unit within a backward ([Note: unit buffers reused]):
-every buffer landed holds exactly what a fresh zeroed one would (the gradients in their slots, zeros in
+"""Stage 3's unit gradient buffers, reused from unit to unit within a backward ([Note: unit buffers reused]),
+or, one rank on the CPU, no buffer: the params' own gradients ([Note: gradients landed from the params]):
+every unit landed holds exactly what a fresh zeroed buffer would (the gradients in their slots, zeros in
 the padding and in the slots of parameters no gradient reached), against torch's own gradients."""
 from __future__ import annotations
 
@@ -45,7 +46,13 @@ def test_reused_unit_buffers_land_what_fresh_zeroed_ones_would(tmp_path):
     land = reducer._land
 
     def capture(bucket, grad, first, final):
-        landed.append((bucket.index, grad.clone()))
+        if isinstance(grad, torch.Tensor):
+            landed.append((bucket.index, grad.clone()))
+        else:  # one rank on the CPU: the params' own gradients, read through a source
+            whole = torch.full((bucket.numel,), float("nan"))
+            for off, t in grad(bucket.start, bucket.numel):
+                whole[off:off + t.numel()] = t
+            landed.append((bucket.index, whole))
         return land(bucket, grad, first, final)
 
     reducer._land = capture
