@@ -11,7 +11,7 @@
 #include "adam_avx512_loop.h"
 
 OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx512, adam_loop16)
-OFL_DEFINE_ADAM_TO_KERNEL(ofl_adam_to_kernel_avx512, OFL_ADAM_LOOP16_TO)
+OFL_DEFINE_ADAM_LOG_KERNEL(ofl_adam_log_kernel_avx512, OFL_ADAM_LOOP16_LOG)
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx512, sumsq_loop16)
 OFL_DEFINE_LAND_KERNEL(ofl_land_kernel_avx512, land_loop16)
 #endif /* OFL_HAVE_X86 */

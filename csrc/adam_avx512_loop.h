@@ -67,14 +67,31 @@ OFL_AI void store_out16(int32_t dt, void *out, int64_t i, __m512 x, __mmask16 k,
     else _mm256_storeu_si256((__m256i *)dst, h);
 }
 
-/* dp, dm, dv: where the new values go (the redo log's slot, adam_undo.c), or NULL: in place.
- * Always a constant at the call, so the in-place loop compiles as it did without them. */
+/* op, om, ov: a ring of two vectors where the old values go before the new ones are stored in
+ * place (the journal of adam_undo.c, [Note: journal]), with *word set to base + the vectors
+ * journaled so far after them; or NULL: no journal. Always a constant at the call, so the plain
+ * loop compiles as it did without them. */
 OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, int l2, float *p, const void *g,
                      float *m, float *v, void *out, int64_t i, __mmask16 k, int tail,
-                     __m512 *bad, float *dp, float *dm, float *dv) {
+                     __m512 *bad, float *op, float *om, float *ov, uint64_t *word, uint64_t base) {
     __m512 pv = tail ? _mm512_maskz_loadu_ps(k, p + i) : _mm512_loadu_ps(p + i);
     __m512 mv = tail ? _mm512_maskz_loadu_ps(k, m + i) : _mm512_loadu_ps(m + i);
     __m512 vv = tail ? _mm512_maskz_loadu_ps(k, v + i) : _mm512_loadu_ps(v + i);
+    if (op) {
+        int64_t r = (i / 16 & 1) * 16; /* the journal's ring of two vectors */
+        if (tail) {
+            _mm512_mask_storeu_ps(op + r, k, pv);
+            _mm512_mask_storeu_ps(om + r, k, mv);
+            _mm512_mask_storeu_ps(ov + r, k, vv);
+        } else {
+            _mm512_storeu_ps(op + r, pv);
+            _mm512_storeu_ps(om + r, mv);
+            _mm512_storeu_ps(ov + r, vv);
+        }
+        /* x86 stores reach memory in program order; these fences keep the compiler's order too */
+        __atomic_store_n(word, base + ((uint64_t)(i / 16 + 1) << OFL_JOURNAL_VECTORS_SHIFT), __ATOMIC_RELEASE);
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    }
     __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, tail), c->gscale);
     /* g * 0 is 0 for finite g and NaN otherwise; the sum keeps any NaN. */
     *bad = _mm512_add_ps(*bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
@@ -83,22 +100,21 @@ OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, int l2, float *
     vv = _mm512_fmadd_ps(c->b2, vv, _mm512_mul_ps(_mm512_mul_ps(c->omb2, gv), gv));
     __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), c->ibc2, c->eps);
     pv = _mm512_fnmadd_ps(c->step, _mm512_div_ps(mv, den), _mm512_mul_ps(pv, c->decay));
-    float *tp = dp ? dp : p, *tm = dm ? dm : m, *tv = dv ? dv : v;
     if (tail) {
-        _mm512_mask_storeu_ps(tp + i, k, pv);
-        _mm512_mask_storeu_ps(tm + i, k, mv);
-        _mm512_mask_storeu_ps(tv + i, k, vv);
+        _mm512_mask_storeu_ps(p + i, k, pv);
+        _mm512_mask_storeu_ps(m + i, k, mv);
+        _mm512_mask_storeu_ps(v + i, k, vv);
     } else {
-        _mm512_storeu_ps(tp + i, pv);
-        _mm512_storeu_ps(tm + i, mv);
-        _mm512_storeu_ps(tv + i, vv);
+        _mm512_storeu_ps(p + i, pv);
+        _mm512_storeu_ps(m + i, mv);
+        _mm512_storeu_ps(v + i, vv);
     }
     store_out16(od, out, i, pv, k, tail);
 }
 
-OFL_AI int32_t adam_loop16_to(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int l2, float *p,
-                              const void *g, float *m, float *v, void *out, int64_t n, float *dp, float *dm,
-                              float *dv) {
+OFL_AI int32_t adam_loop16_log(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int l2, float *p,
+                               const void *g, float *m, float *v, void *out, int64_t n, float *op, float *om,
+                               float *ov, uint64_t *word, uint64_t base) {
     vcoeffs16 c = {
         _mm512_set1_ps(s->beta1),    _mm512_set1_ps(s->one_minus_beta1),
         _mm512_set1_ps(s->beta2),    _mm512_set1_ps(s->one_minus_beta2),
@@ -109,21 +125,22 @@ OFL_AI int32_t adam_loop16_to(const ofl_adam_coeffs *s, int32_t gd, int32_t od, 
     __m512 bad = _mm512_setzero_ps();
     int64_t i = 0;
 #pragma GCC unroll 4
-    for (; i + 16 <= n; i += 16) update16(&c, gd, od, l2, p, g, m, v, out, i, 0xffff, 0, &bad, dp, dm, dv);
+    for (; i + 16 <= n; i += 16) update16(&c, gd, od, l2, p, g, m, v, out, i, 0xffff, 0, &bad, op, om, ov, word, base);
     if (i < n) {
         __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
-        update16(&c, gd, od, l2, p, g, m, v, out, i, k, 1, &bad, dp, dm, dv);
+        update16(&c, gd, od, l2, p, g, m, v, out, i, k, 1, &bad, op, om, ov, word, base);
     }
     return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) != 0;
 }
 
 OFL_AI int32_t adam_loop16(const ofl_adam_coeffs *s, int32_t gd, int32_t od, int l2, float *p,
                            const void *g, float *m, float *v, void *out, int64_t n) {
-    return adam_loop16_to(s, gd, od, l2, p, g, m, v, out, n, NULL, NULL, NULL);
+    return adam_loop16_log(s, gd, od, l2, p, g, m, v, out, n, NULL, NULL, NULL, NULL, 0);
 }
 
-/* The redo log's loop: the new values to (dp, dm, dv), in the scope of OFL_DEFINE_ADAM_TO_KERNEL. */
-#define OFL_ADAM_LOOP16_TO(c, gd, od, l2, p, g, m, v, out, n) adam_loop16_to(c, gd, od, l2, p, g, m, v, out, n, dp, dm, dv)
+/* The journaled loop, in the scope of OFL_DEFINE_ADAM_LOG_KERNEL. */
+#define OFL_ADAM_LOOP16_LOG(c, gd, od, l2, p, g, m, v, out, n) \
+    adam_loop16_log(c, gd, od, l2, p, g, m, v, out, n, op, om, ov, word, base)
 
 OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();

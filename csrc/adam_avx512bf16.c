@@ -11,5 +11,5 @@
 #include "adam_avx512_loop.h"
 
 OFL_DEFINE_ADAM_KERNEL(ofl_adam_kernel_avx512bf16, adam_loop16)
-OFL_DEFINE_ADAM_TO_KERNEL(ofl_adam_to_kernel_avx512bf16, OFL_ADAM_LOOP16_TO)
+OFL_DEFINE_ADAM_LOG_KERNEL(ofl_adam_log_kernel_avx512bf16, OFL_ADAM_LOOP16_LOG)
 #endif /* OFL_HAVE_X86 */

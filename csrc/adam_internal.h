@@ -95,12 +95,12 @@ int32_t ofl_adam_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int
 int32_t ofl_adam_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
                                    float *p, const void *g, float *m, float *v, void *out,
                                    int64_t n);
-int32_t ofl_adam_to_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
-                                  float *p, const void *g, float *m, float *v, void *out, int64_t n,
-                                  float *dp, float *dm, float *dv);
-int32_t ofl_adam_to_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
-                                      float *p, const void *g, float *m, float *v, void *out, int64_t n,
-                                      float *dp, float *dm, float *dv);
+int32_t ofl_adam_log_kernel_avx512(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                   float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                   float *op, float *om, float *ov, uint64_t *word, uint64_t base);
+int32_t ofl_adam_log_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                       float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                       float *op, float *om, float *ov, uint64_t *word, uint64_t base);
 void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_land_kernel_avx2(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst, void *src,
@@ -235,18 +235,20 @@ static inline float ofl_adam_update1(const ofl_adam_coeffs *c, int32_t grad_dtyp
         OFL_ADAM_GRAD_CASES(LOOP, 0)                                                          \
     }
 
-/* The same with the new master and moments written to (dp, dm, dv) instead of in place
- * (the redo log of adam_undo.c); the param copy still goes to out. */
-typedef int32_t (*ofl_adam_to_kernel_fn)(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
-                                         float *p, const void *g, float *m, float *v, void *out, int64_t n,
-                                         float *dp, float *dm, float *dv);
+/* The same, journaled: each vector's old master and moments to (op, om, ov) at (vector & 1) * 16,
+ * then *word set to base + (vectors done << OFL_JOURNAL_VECTORS_SHIFT), then the new values in
+ * place (adam_undo.c, [Note: journal]). x86 only: it relies on stores reaching memory in program order. */
+#define OFL_JOURNAL_VECTORS_SHIFT 18
+typedef int32_t (*ofl_adam_log_kernel_fn)(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
+                                          float *p, const void *g, float *m, float *v, void *out, int64_t n,
+                                          float *op, float *om, float *ov, uint64_t *word, uint64_t base);
 
-#define OFL_DEFINE_ADAM_TO_KERNEL(NAME, LOOP)                                                   \
-    int32_t NAME(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype, float *p,  \
-                 const void *g, float *m, float *v, void *out, int64_t n, float *dp, float *dm, \
-                 float *dv) {                                                                 \
-        if (c->l2_decay != 0.0f) OFL_ADAM_GRAD_CASES(LOOP, 1)                                 \
-        OFL_ADAM_GRAD_CASES(LOOP, 0)                                                          \
+#define OFL_DEFINE_ADAM_LOG_KERNEL(NAME, LOOP)                                                       \
+    int32_t NAME(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype, float *p,         \
+                 const void *g, float *m, float *v, void *out, int64_t n, float *op, float *om,     \
+                 float *ov, uint64_t *word, uint64_t base) {                                        \
+        if (c->l2_decay != 0.0f) OFL_ADAM_GRAD_CASES(LOOP, 1)                                        \
+        OFL_ADAM_GRAD_CASES(LOOP, 0)                                                                 \
     }
 
 #define OFL_DEFINE_SUMSQ_KERNEL(NAME, SUMSQ_LOOP)                           \

@@ -22,14 +22,19 @@
  * numbered by the caller; the header's call word says how many are done and whether the
  * next is in flight.
  *
- * [Note: redo slots]
- * On the AVX-512 paths the slot is a redo record instead: the kernel reads the sub-chunk's old
- * values where they are and writes the new master and moments into the slot (cache-resident),
- * then the word says the slot holds them (bit 31 set with the half bit) and they are copied
- * over the old. A kill before that word leaves the sub-chunk untouched; after it, the restart
- * copies the slot in again and goes on after the sub-chunk. The copy of the undo form, a
- * separate read of the old values ahead of the kernel's, made the pass about 2x slower
- * (tools/bench/bench_undo.py); this form reads nothing twice from memory.
+ * [Note: journal]
+ * On the AVX-512 paths (x86) the kernel itself keeps the old values, vector by vector, over a
+ * whole segment: it loads a vector's old master and moments, stores them into the slot's ring
+ * of two vectors (vector j into place j & 1), stores the slot's word with the count of vectors
+ * journaled (bits 18-30, with bit 31 set and `at` the segment's start), then stores the new
+ * values in place. x86 makes a thread's stores visible in program order, and a killed process's
+ * retired stores are all in memory; so with the count at c, the vectors before c - 1 are fully
+ * written, vector c - 1 perhaps in part (its old values are in the ring: vector c's go to the
+ * other place), and those from c untouched. A restart copies vector c - 1's old values back and
+ * runs the segment from it. The undo form's copy, a separate read of the old values ahead of
+ * the kernel, made the pass about 2x slower, and a redo form (new values into the slot, then
+ * copied over the old) about 1.2x; this form runs at 1.03-1.05x (tools/bench/bench_undo.py, a quiet
+ * 2-core EPYC): its extra stores go to 384 bytes that stay in the first-level cache.
  *
  * Every word changes with one aligned 8-byte store, ordered after what it describes
  * (release stores; compiler fences around the kernel): a process killed between two
@@ -49,10 +54,12 @@
  *     32  u64  call word: (calls done << 1) | 1 while call `calls done` is in flight
  *     40  24 bytes reserved (0)
  *   slot s, at 64 + s * (64 + 12 * OFL_UNDO_SUB_ELEMS):
- *     0   u64  word: ~0 (empty), or (chunk << 32) | redo << 31 | (offset in the chunk << 1) | half
+ *     0   u64  word: ~0 (empty), or (chunk << 32) | journal << 31 | vectors << 18 |
+ *              (offset in the chunk << 1) | half
  *              (elements of the chunk before the offset are updated, those from it are not,
- *              except with half = 1 the sub-chunk at the offset, whose old values follow, or
- *              with redo = 1 its new values, partly copied over the old)
+ *              except with half = 1 the sub-chunk at the offset, whose old values follow; with
+ *              journal = 1, the segment at the offset, the first vectors - 1 of it updated,
+ *              the next one's old values in the ring)
  *     8   i64  elements of that sub-chunk
  *     16  48 bytes reserved
  *     64  old (or new) master, then exp_avg, then exp_avg_sq: OFL_UNDO_SUB_ELEMS floats each
@@ -61,6 +68,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -71,7 +79,8 @@
 #define UNDO_HEADER_BYTES 64
 #define SLOT_HEAD_BYTES 64
 #define SLOT_EMPTY UINT64_MAX
-#define SLOT_REDO (1ull << 31) /* [Note: redo slots] */
+#define SLOT_JOURNAL (1ull << 31) /* [Note: journal] */
+#define SLOT_VECTORS_MASK 0x1fffu
 #define SLOT_STRIDE ((int64_t)SLOT_HEAD_BYTES + 12 * (int64_t)OFL_UNDO_SUB_ELEMS)
 
 static const char UNDO_MAGIC[8] = {'O', 'F', 'L', 'U', 'N', 'D', 'O', '1'};
@@ -96,6 +105,8 @@ typedef struct {
 _Static_assert(sizeof(undo_header) == UNDO_HEADER_BYTES, "undo header layout");
 _Static_assert(sizeof(undo_slot) == SLOT_HEAD_BYTES, "undo slot layout");
 _Static_assert(OFL_UNDO_SUB_ELEMS % 16 == 0 && OFL_CHUNK_ELEMS % OFL_UNDO_SUB_ELEMS == 0, "sub-chunk grid");
+_Static_assert(OFL_CHUNK_ELEMS <= (1 << 17) && OFL_CHUNK_ELEMS / 16 <= SLOT_VECTORS_MASK &&
+                   OFL_JOURNAL_VECTORS_SHIFT == 18, "word fields");
 
 typedef struct {
     undo_header *h;
@@ -183,7 +194,7 @@ typedef struct {
     int64_t call;
     int64_t total;
     int32_t threads;
-    ofl_adam_to_kernel_fn to_kernel; /* the redo form's kernel, or NULL: the undo form */
+    ofl_adam_log_kernel_fn log_kernel; /* the journaled kernel, or NULL: the undo form */
     uint32_t claimed[OFL_MAX_THREADS]; /* slots held by a running chunk */
 } undo_job;
 
@@ -203,51 +214,57 @@ static void copy_sub(const ofl_adam_tensors *t, undo_slot *slot, int64_t i, int6
     }
 }
 
-/* The redo form of a sub-chunk ([Note: redo slots]): the new values into the slot, then the
- * slot into the tensors. */
-static void redo_sub(chunk_walk *cw, int64_t i, int64_t off, int64_t n, uint64_t word, int die) {
+/* The journaled form of a segment ([Note: journal]). `die` >= 0: the test hook: stop after the
+ * first `die` elements (whole vectors), scribble over the last of them in place as a kill inside
+ * its stores would leave it, and SIGKILL this process. */
+static void journal_segment(chunk_walk *cw, int64_t i, int64_t off, int64_t n, uint64_t word, int64_t die) {
     ofl_adam_job *job = cw->uj->job;
     const ofl_adam_tensors *t = job->t;
     int32_t gd = job->cfg->grad_dtype, od = job->cfg->out_dtype;
     char *g = (char *)(uintptr_t)t->grad[i] + off * (gd == OFL_DTYPE_F32 ? 4 : 2);
     char *out = od == OFL_DTYPE_NONE ? NULL : (char *)(uintptr_t)t->param_out[i] + off * (od == OFL_DTYPE_F32 ? 4 : 2);
-    int32_t bad = cw->uj->to_kernel(&job->coeffs[i], gd, od, (float *)(uintptr_t)t->param[i] + off, g,
-                                    (float *)(uintptr_t)t->exp_avg[i] + off,
-                                    (float *)(uintptr_t)t->exp_avg_sq[i] + off, out, n, slot_data(cw->slot, 0),
-                                    slot_data(cw->slot, 1), slot_data(cw->slot, 2));
+    float *p = (float *)(uintptr_t)t->param[i] + off;
+    int32_t bad = cw->uj->log_kernel(&job->coeffs[i], gd, od, p, g, (float *)(uintptr_t)t->exp_avg[i] + off,
+                                     (float *)(uintptr_t)t->exp_avg_sq[i] + off, out, die >= 0 ? die : n,
+                                     slot_data(cw->slot, 0), slot_data(cw->slot, 1), slot_data(cw->slot, 2),
+                                     &cw->slot->word, word);
     if (bad) __atomic_store_n(&job->nonfinite, 1, __ATOMIC_RELAXED);
-    cw->slot->n = n;
-    __atomic_store_n(&cw->slot->word, word | 1u, __ATOMIC_RELEASE); /* the slot holds the new values */
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
-    if (die) {
-        copy_sub(t, cw->slot, i, off, n / 2, 0);
+    if (die >= 0) {
+        for (int64_t e = (die - 1) / 16 * 16; e >= 0 && e < die; e++) p[e] = -p[e] * 3.0f;
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
         kill(getpid(), SIGKILL);
         for (;;) pause();
     }
-    copy_sub(t, cw->slot, i, off, n, 0);
-    __atomic_signal_fence(__ATOMIC_SEQ_CST);
 }
 
 static void logged_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
     chunk_walk *cw = (chunk_walk *)ctx;
     ofl_adam_job *job = cw->uj->job;
+    int faulty = __atomic_load_n(&fault_call, __ATOMIC_ACQUIRE) == cw->uj->call && fault_chunk == cw->chunk;
+    if (cw->uj->log_kernel) { /* [0, at) updated, no vector of the segment at `at` journaled yet */
+        int64_t at = job->starts[i] + off - cw->lo;
+        uint64_t word = ((uint64_t)cw->chunk << 32) | SLOT_JOURNAL | ((uint64_t)at << 1) | 1u;
+        int64_t die = -1;
+        if (faulty && at + len > fault_offset) {
+            die = (fault_offset > at ? (fault_offset - at) / 16 * 16 : 0) + 16;
+            if (die > len) die = len;
+        }
+        __atomic_store_n(&cw->slot->word, word, __ATOMIC_RELEASE);
+        __atomic_signal_fence(__ATOMIC_SEQ_CST);
+        journal_segment(cw, i, off, len, word, die);
+        return;
+    }
     for (int64_t a = 0; a < len; a += OFL_UNDO_SUB_ELEMS) {
         int64_t n = len - a < OFL_UNDO_SUB_ELEMS ? len - a : OFL_UNDO_SUB_ELEMS;
         int64_t at = job->starts[i] + off + a - cw->lo; /* offset in the chunk */
-        uint64_t word = ((uint64_t)cw->chunk << 32) | ((uint64_t)at << 1) | (cw->uj->to_kernel ? SLOT_REDO : 0);
+        uint64_t word = ((uint64_t)cw->chunk << 32) | ((uint64_t)at << 1);
         __atomic_store_n(&cw->slot->word, word, __ATOMIC_RELEASE); /* [0, at) updated, the rest not */
-        if (cw->uj->to_kernel) {
-            redo_sub(cw, i, off + a, n, word,
-                     __atomic_load_n(&fault_call, __ATOMIC_ACQUIRE) == cw->uj->call && fault_chunk == cw->chunk &&
-                         at >= fault_offset);
-            continue;
-        }
         copy_sub(job->t, cw->slot, i, off + a, n, 1);
         cw->slot->n = n;
         __atomic_store_n(&cw->slot->word, word | 1u, __ATOMIC_RELEASE); /* the sub-chunk at `at` may be half written */
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
-        if (__atomic_load_n(&fault_call, __ATOMIC_ACQUIRE) == cw->uj->call && fault_chunk == cw->chunk &&
-            at >= fault_offset) {
+        if (faulty && at >= fault_offset) {
             ofl_adam_job_segment(job, i, off + a, n / 2);
             kill(getpid(), SIGKILL);
             for (;;) pause();
@@ -256,7 +273,6 @@ static void logged_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
     }
 }
-
 /* Updates [from, hi) of chunk k with slot s, then marks the chunk done. */
 static void run_logged(undo_job *uj, int32_t s, int64_t k, int64_t from) {
     int64_t lo = k * OFL_CHUNK_ELEMS;
@@ -279,6 +295,27 @@ static void logged_chunk(void *ctx, int64_t k, int64_t lo, int64_t hi) {
     __atomic_store_n(&uj->claimed[s], 0, __ATOMIC_RELEASE);
 }
 
+/* The tensor holding element `pos` of the call's concatenation, or -1. */
+static int64_t tensor_at(const undo_job *uj, int64_t pos) {
+    const int64_t *starts = uj->job->starts;
+    int64_t count = uj->job->t->count, i = 0;
+    while (i < count && starts[i + 1] <= pos) i++;
+    return i < count ? i : -1;
+}
+
+/* Where the segment of tensor i in the chunk starting at lo ends. */
+static int64_t starts_end(const undo_job *uj, int64_t i, int64_t lo) {
+    int64_t end = uj->job->starts[i + 1], hi = lo + OFL_CHUNK_ELEMS < uj->total ? lo + OFL_CHUNK_ELEMS : uj->total;
+    return end < hi ? end : hi;
+}
+
+/* Copies the journal's ring vector r (n <= 16 elements) back over tensor i at off. */
+static void copy_ring(const ofl_adam_tensors *t, undo_slot *slot, int32_t r, int64_t i, int64_t off, int64_t n) {
+    float *streams[3] = {(float *)(uintptr_t)t->param[i] + off, (float *)(uintptr_t)t->exp_avg[i] + off,
+                         (float *)(uintptr_t)t->exp_avg_sq[i] + off};
+    for (int32_t w = 0; w < 3; w++) memcpy(streams[w], slot_data(slot, w) + 16 * r, (size_t)n * sizeof(float));
+}
+
 /* A restart: each chunk a slot names as in flight (and not done) has its half-written
  * sub-chunk restored and the rest of it run, one after another on this thread. */
 static int32_t finish_in_flight(undo_job *uj, int64_t chunks, int64_t *restored) {
@@ -287,19 +324,26 @@ static int32_t finish_in_flight(undo_job *uj, int64_t chunks, int64_t *restored)
         undo_slot *slot = slot_at(u, s);
         uint64_t word = __atomic_load_n(&slot->word, __ATOMIC_ACQUIRE);
         if (word == SLOT_EMPTY) continue;
-        int64_t k = (int64_t)(word >> 32), at = (int64_t)((word >> 1) & 0x3fffffffu);
+        int64_t k = (int64_t)(word >> 32), at = (int64_t)((word >> 1) & 0x1ffffu);
         if (k >= chunks || at > OFL_CHUNK_ELEMS) return -EINVAL;
         if (__atomic_load_n(&u->map[k], __ATOMIC_ACQUIRE)) continue;
         int64_t lo = k * OFL_CHUNK_ELEMS;
-        if (word & 1u) {
-            int64_t pos = lo + at, n = slot->n;
-            const int64_t *starts = uj->job->starts;
-            int64_t count = uj->job->t->count, i = 0;
-            while (i < count && starts[i + 1] <= pos) i++;
-            if (i >= count || n < 1 || n > OFL_UNDO_SUB_ELEMS || pos + n > starts[i + 1]) return -EINVAL;
-            copy_sub(uj->job->t, slot, i, pos - starts[i], n, 0); /* old values back, or new ones in */
+        if ((word & SLOT_JOURNAL) && (word & 1u)) {
+            int64_t c = (int64_t)((word >> OFL_JOURNAL_VECTORS_SHIFT) & SLOT_VECTORS_MASK);
+            if (c > 0) { /* vector c - 1 may be half written: its old values back from the ring */
+                int64_t seg = lo + at, i = tensor_at(uj, seg);
+                if (i < 0) return -EINVAL;
+                int64_t end = starts_end(uj, i, lo), pos = seg + 16 * (c - 1);
+                if (pos >= end) return -EINVAL;
+                copy_ring(uj->job->t, slot, (c - 1) & 1, i, pos - uj->job->starts[i], end - pos < 16 ? end - pos : 16);
+                (*restored)++;
+                at += 16 * (c - 1);
+            }
+        } else if (word & 1u) {
+            int64_t pos = lo + at, n = slot->n, i = tensor_at(uj, pos);
+            if (i < 0 || n < 1 || n > OFL_UNDO_SUB_ELEMS || pos + n > uj->job->starts[i + 1]) return -EINVAL;
+            copy_sub(uj->job->t, slot, i, pos - uj->job->starts[i], n, 0); /* the old values back */
             (*restored)++;
-            if (word & SLOT_REDO) at += n;
         }
         run_logged(uj, s, k, lo + at);
     }
@@ -343,8 +387,8 @@ int32_t ofl_adam_step_undo(const ofl_adam_config *cfg, const ofl_adam_tensors *t
     uj->call = call;
     uj->total = total;
 #if OFL_HAVE_X86
-    if (job.kernel == ofl_adam_kernel_avx512) uj->to_kernel = ofl_adam_to_kernel_avx512;
-    if (job.kernel == ofl_adam_kernel_avx512bf16) uj->to_kernel = ofl_adam_to_kernel_avx512bf16;
+    if (job.kernel == ofl_adam_kernel_avx512) uj->log_kernel = ofl_adam_log_kernel_avx512;
+    if (job.kernel == ofl_adam_kernel_avx512bf16) uj->log_kernel = ofl_adam_log_kernel_avx512bf16;
 #endif
     int32_t threads = ofl_effective_threads(cfg->num_threads, total);
     uj->threads = threads < u.slots ? threads : u.slots;

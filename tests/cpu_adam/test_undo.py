@@ -120,7 +120,7 @@ def _killed_then_resumed(config, grad_dtype, faults, slots):
     return tensors, restored + restored_in_children, keep, keep_log
 
 
-# AVX-512 keeps redo slots (the new values, then copied in), the others undo slots (the old values)
+# AVX-512 journals vector by vector inside the kernel, the others copy the old values ahead of it
 FORMS = [i.name.lower() for i in available_isas() if i.name in ("SCALAR", "AVX512_BF16", "AVX512")][:2]
 
 
