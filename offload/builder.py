@@ -27,7 +27,8 @@ from offload.meta_init import init_fn_of, init_record_of
 from offload.pretrained import pending_load_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
-from offload.resume import (FINISH, FRESH, RESUME, TORN, CommitRegion, agree, inspect_session, open_undo, undo_exists,
+from offload.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session, open_undo,
+                            roll_back, undo_exists,
                             undo_slots)
 from offload.schedulers import build_scheduler
 from offload.tiers import Tier, open_tier, plan_bytes
@@ -306,8 +307,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
                                device=ranks.device, window=window, state_format=StateFormat(cfg.offload.state_dtype))
-        if verdict in (RESUME, FINISH):
+        if verdict == FINISH:  # an overlapped step's early sub-groups ([Note: speculative step] in offload.resume)
+            storage.keep_written(payload["step_record"][0].get("early", ()))
+        if verdict in (RESUME, FINISH, ROLLBACK):
             storage.adopt()
+            if verdict == ROLLBACK:
+                roll_back(tier.store, storage, payload["rollback"])
         else:
             storage.allocate(parts.fill_master if parts else lambda sg, master: _fill_master(layout, sg, master, masters))
             if parts is not None:
@@ -342,18 +347,20 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             reducer.land_early = True  # [Note: landing early] in offload.zero.overlap
         if tier is not None and tier.daemon:
             engine.commit = commit or CommitRegion(tier.store, existing=False)
+            if engine.overlap is not None:
+                engine.overlap.commit = engine.commit
             if cfg.offload.state_dtype == "fp32":  # compressed states' passes have no undo log: cut inside one is torn
-                adam.undo = open_undo(tier.store, existing=verdict in (RESUME, FINISH) and undo_exists(tier.store),
+                adam.undo = open_undo(tier.store, existing=verdict in (RESUME, FINISH, ROLLBACK) and undo_exists(tier.store),
                                       slots=undo_slots(), max_elems=max(sg.numel for sg in layout.sub_groups))
             _stop_on_sigterm(engine)
         if verdict == FINISH:  # [Note: restartable step] in offload.resume
             engine.finish_step(*payload["step_record"])
-        if verdict in (RESUME, FINISH):
+        if verdict in (RESUME, FINISH, ROLLBACK):
             if parts is not None:
                 parts.reload_from_masters(adam)
             else:
                 adam.write_params_from_master()
-            if verdict == RESUME:
+            if verdict != FINISH:
                 engine.restore_small_state(payload)
             else:
                 engine.commit.commit(engine.global_steps, engine.small_state())
@@ -361,8 +368,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded%s)",
                            ranks.rank, engine.global_steps, time.perf_counter() - t0,
                            "; the step it was killed in finished from its committed inputs" if verdict == FINISH
+                           else "; the overlapped step it was killed in under backward undone" if verdict == ROLLBACK
                            else "")
-        engine.reporter = reporter_for(tier, skipped_steps=engine.skipped_steps, resumed=verdict in (RESUME, FINISH))
+        engine.reporter = reporter_for(tier, skipped_steps=engine.skipped_steps,
+                                       resumed=verdict in (RESUME, FINISH, ROLLBACK))
     except BaseException:
         if tier is not None:
             tier.close()
@@ -435,8 +444,8 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
         tier.close()  # the torn state is dropped: the next start is a fresh one
         raise StateTornError(
             f"rank {ranks.rank}: the daemon's copy of the training state is torn ({said}): a trainer died inside "
-            f"an optimizer step where it cannot be finished (inside a sub-group's Adam pass, or in an overlapped "
-            f"or delayed step: [Note: restartable step] in offload.resume). It was discarded; restart and load the "
+            f"an optimizer step where it cannot be finished (inside a sub-group's Adam pass with no undo log, or in a "
+            f"delayed step: [Note: restartable step] in offload.resume). It was discarded; restart and load the "
             f"last checkpoint ({last or 'none was saved by this job since it started'}).")
     if verdict == FRESH and getattr(tier.store, "reattached", False):
         tier.close()  # a session without a commit (a start that died early): begin again

@@ -227,8 +227,11 @@ class Engine:
             self.adam.prefetch_states()  # NVMe -> host while backward runs
         overlap = self.overlap if final else None
         if overlap is not None:
-            if self.commit is not None:
-                self.commit.begin_step()  # the state is written under backward from now on
+            if self.commit is not None:  # the state is written under backward from now on
+                if self.record_steps:
+                    self.commit.begin_speculative_step()  # [Note: speculative step] in offload.resume
+                else:
+                    self.commit.begin_step()
             overlap.begin(self.scaler.scale, self.world_size)  # [Note: overlapped step]
         t0 = time.perf_counter()
         self.reducer.begin(reduce=reduce, first=first, final=final)
@@ -314,13 +317,21 @@ class Engine:
         if self._multiplier is None:
             raise ConfigError("optimizer.step() is driven by the engine: call engine.backward(loss); engine.step()")
         multiplier, self._multiplier = self._multiplier, None
-        recorded = self.commit is not None and self.record_steps and self.delayed is None and self.overlap is None
+        recorded = self.commit is not None and self.record_steps and self.delayed is None
         if self.commit is not None and not recorded:
             self.commit.begin_step()  # [Note: restartable step] in offload.resume: no record for these
         if self.delayed is not None and self.delayed.applies():
             self.delayed.start(multiplier)
         elif self.overlap is not None:
-            self.overlap.step(multiplier)
+            record = None
+            if recorded:  # [Note: speculative step] in offload.resume
+                small = self.small_state()
+
+                def record(plan, early):
+                    self.commit.begin_recorded_step({"small": small, "step_count": plan.step_count,
+                                                     "hypers": plan.hypers, "multiplier": multiplier,
+                                                     "early": list(early)})
+            self.overlap.step(multiplier, record=record, progress=self.commit if recorded else None)
         elif recorded:
             small = self.small_state()
             plan = self.adam.prepare_step()
@@ -342,8 +353,8 @@ class Engine:
         grads = [self.adam.storage.grad(i) for i in range(len(self.layout.sub_groups))]
         plan = StepPlan(record["step_count"], record["hypers"], grads)
         self.adam.step_count = record["step_count"] + 1
-        self.adam.step_states(record["multiplier"], plan, skip=frozenset(range(done)), progress=self.commit,
-                              resume=in_pass)
+        skip = frozenset(range(done)) | frozenset(record.get("early", ()))  # early: stepped under backward
+        self.adam.step_states(record["multiplier"], plan, skip=skip, progress=self.commit, resume=in_pass)
         self.adam.storage.drain()
         self._count_step(False)
         self.micro_steps += 1

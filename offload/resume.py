@@ -50,8 +50,23 @@ memory, which of its chunks are done and the old values of each piece in flight,
 restores those pieces and runs what is left of the pass. With nvme the block is marked dirty
 before its pass starts (``StateStorage.will_write``), so the daemon writes back the host copy
 the pass was writing, never drops it for the copy on NVMe from before the step. With no record
-(the overlapped step and the delayed update: why not, in their modules' notes and the README's
-"Surviving crashes") the state is torn, as before.
+(the delayed update: why not, in its module's note and the README's "Surviving crashes") the state
+is torn, as before.
+
+[Note: speculative step] The overlapped step (``offload.zero.overlap``) writes state blocks under
+backward, before the step's multiplier is known: such a step cannot be finished by a restart (the
+gradients not yet landed die with the process), so it is rolled back instead. As its backward
+begins, the record says so (valid = 2, SPECULATIVE) and ``done`` counts the early sub-groups whose
+rollback copy is whole: before an early sub-group is stepped (cpu), its state block is copied into
+the daemon region ``engine.rollback.<k>`` and its index written at slot k of the payload area (an
+int64 each), then ``done`` becomes k + 1. A restart that finds a speculative record copies those
+blocks back and resumes at the committed step (verdict ROLLBACK): the killed step is done again, as
+if the kill had come before it. With nvme nothing is copied: an early block is not marked dirty
+until the speculation holds, so the restart's ``StateStorage.adopt`` drops its host copy and NVMe's,
+from before the step, is the state. When the speculation holds, ``engine.step()`` replaces the
+record with an ordinary one (valid = 1) that names the early sub-groups as done ("early"; with nvme
+they are marked dirty after it, and by the restart before ``adopt`` if the kill came first); when it
+fails, the early blocks are restored first, so both readings stay true at every instant.
 
 A region whose step is still -1 was never committed (the trainer died before its first step
 finished: in its first forward, say). Its session holds nothing a restart needs, so it is a
@@ -69,7 +84,7 @@ from csrc import ConfigError, SessionError, StateTornError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMIT_BYTES", "CommitRegion", "daemon_lost", "open_undo"]
+__all__ = ["COMMIT_BYTES", "CommitRegion", "daemon_lost", "open_undo", "roll_back"]
 
 COMMIT_NAME = "engine.commit"
 UNDO_NAME = "engine.undo"
@@ -81,6 +96,8 @@ RECORD_AT = 128 << 10  # [Note: restartable step]
 RECORD_MAGIC = b"OFLSTP01"
 _RECORD = struct.Struct("<8sIIqqq")
 NO_PASS = -1
+RECORDED, SPECULATIVE = 1, 2
+ROLLBACK_NAME = "engine.rollback.{}"
 
 
 class CommitRegion:
@@ -148,6 +165,29 @@ class CommitRegion:
         self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 1)
         self._view[8:12] = struct.pack("<I", IN_STEP)
 
+    def begin_speculative_step(self) -> None:
+        """As an overlapped step's backward begins ([Note: speculative step]): no early copy yet, then the
+        marker."""
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 0)
+        self._view[RECORD_AT:RECORD_AT + _RECORD.size] = _RECORD.pack(RECORD_MAGIC, 0, 0, 0, NO_PASS, 0)
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", SPECULATIVE)
+        self._view[8:12] = struct.pack("<I", IN_STEP)
+
+    def early_copied(self, k: int, sg: int) -> None:
+        """Rollback copy ``k`` (region ROLLBACK_NAME) holds sub-group ``sg``'s state from before the step."""
+        at = RECORD_AT + _RECORD.size + 8 * k
+        _fits(bytes(8 * (k + 1)), COMMIT_BYTES - RECORD_AT - _RECORD.size)
+        self._view[at:at + 8] = struct.pack("<q", sg)
+        self._view[RECORD_AT + 16:RECORD_AT + 24] = struct.pack("<q", k + 1)
+
+    def read_rollback(self) -> list[tuple[int, int]] | None:
+        """(copy, sub-group) of each whole rollback copy of a speculative step; None if the record is not one."""
+        magic, valid, _, done, _, _ = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
+        if magic != RECORD_MAGIC or valid != SPECULATIVE:
+            return None
+        at = RECORD_AT + _RECORD.size
+        return [(k, struct.unpack("<q", bytes(self._view[at + 8 * k:at + 8 * k + 8]))[0]) for k in range(done)]
+
     def sub_group_started(self, index: int) -> None:
         self._view[RECORD_AT + 24:RECORD_AT + 32] = struct.pack("<q", index)
 
@@ -159,10 +199,15 @@ class CommitRegion:
         """(payload, sub-groups done, whether sub-group ``done``'s pass was running) of a step that can
         be finished; None if there is none."""
         magic, valid, _, done, in_pass, length = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
-        if magic != RECORD_MAGIC or valid != 1 or in_pass not in (NO_PASS, done):
+        if magic != RECORD_MAGIC or valid != RECORDED:
             return None
         at = RECORD_AT + _RECORD.size
-        return pickle.loads(bytes(self._view[at:at + length])), done, in_pass != NO_PASS
+        record = pickle.loads(bytes(self._view[at:at + length]))
+        early = set(record.get("early", ()))
+        pending = next(i for i in range(done, done + len(early) + 1) if i not in early)
+        if in_pass not in (NO_PASS, pending):  # the pass running is always the first sub-group not yet stepped
+            return None
+        return record, done, in_pass != NO_PASS
 
     def release(self) -> None:
         self._view = None
@@ -207,20 +252,34 @@ def open_undo(store: Any, *, existing: bool, slots: int, max_elems: int):
     return UndoLog(store.host_view(UNDO_NAME), fresh=not existing, slots=slots, max_elems=max_elems)
 
 
+def roll_back(store: Any, storage: Any, copies: list[tuple[int, int]]) -> None:
+    """A speculative step's early sub-groups back to their state from before it ([Note: speculative step])."""
+    import torch
+
+    for k, sg in copies:
+        state = storage.state(sg)
+        state.view(torch.uint8).copy_(torch.frombuffer(store.host_view(ROLLBACK_NAME.format(k)), dtype=torch.uint8,
+                                                       count=state.numel() * state.element_size()))
+    logger.info("restored %d sub-group(s) stepped under the killed step's backward from their rollback copies",
+                len(copies))
+
+
 def _fits(data: bytes, room: int) -> None:
     if len(data) > room:
         raise ConfigError(f"the per-step state is {len(data)} bytes, over the commit region's {room}: keep "
                           "engine.client_state small (a data position, not data)")
 
 
-FRESH, RESUME, TORN, FINISH = "fresh", "resume", "torn", "finish"
+FRESH, RESUME, TORN, FINISH, ROLLBACK = "fresh", "resume", "torn", "finish", "rollback"
 
 
 def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, CommitRegion | None]:
     """What this rank's session holds: (verdict, step, payload, commit region). FINISH: a step that
     can be finished ([Note: restartable step]); its step is the one it reaches, and the payload
     is the last commit's with the step record under "step_record" as (record, sub-groups done, whether
-    a pass was cut: then the undo log must be there)."""
+    a pass was cut: then the undo log must be there). ROLLBACK: an overlapped step killed before its
+    verdict ([Note: speculative step]); its step is the committed one, and the payload has the
+    rollback copies to restore under "rollback"."""
     if not CommitRegion.exists(store):
         return FRESH, -1, None, None
     commit = CommitRegion(store, existing=True)
@@ -228,6 +287,9 @@ def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, Commit
     if step < 0:  # never committed: a fresh start ([Note: commit region layout])
         return FRESH, step, None, None
     if marker != COMMITTED:
+        copies = commit.read_rollback() if payload is not None else None
+        if copies is not None:  # an overlapped step killed before its verdict: undone ([Note: speculative step])
+            return ROLLBACK, step, dict(payload, rollback=copies), commit
         record = commit.read_record() if payload is not None else None
         if record is not None and record[2] and not undo_exists(store):
             record = None  # cut inside a pass by a version without the undo log
@@ -246,7 +308,7 @@ def agree(verdict: str, step: int, group: Any, world_size: int) -> tuple[str, st
     import torch
     import torch.distributed as dist
 
-    codes = {FRESH: 0, RESUME: 1, TORN: 2, FINISH: 3}
+    codes = {FRESH: 0, RESUME: 1, TORN: 2, FINISH: 3, ROLLBACK: 4}
     mine = torch.tensor([codes[verdict], step], dtype=torch.int64)
     every = [torch.zeros(2, dtype=torch.int64) for _ in range(world_size)]
     dist.all_gather(every, mine, group=group)
@@ -256,8 +318,8 @@ def agree(verdict: str, step: int, group: Any, world_size: int) -> tuple[str, st
     steps = {int(t[1]) for t in every}
     if kinds == {codes[FRESH]}:
         return FRESH, said
-    if kinds <= {codes[RESUME], codes[FINISH]} and len(steps) == 1:
-        return verdict, said  # each finishes its step or not, and all resume at the same one
+    if kinds <= {codes[RESUME], codes[FINISH], codes[ROLLBACK]} and len(steps) == 1:
+        return verdict, said  # each finishes (or undoes) its step or not, and all resume at the same one
     return TORN, said
 
 

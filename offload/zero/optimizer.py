@@ -190,7 +190,7 @@ class PartitionedAdam:
                     progress: Any = None, resume: bool = False) -> None:
         """Adam over every sub-group's state but ``skip``'s (NVMe I/O pipelined); the new low-precision
         params go to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model).
-        ``progress`` (``offload.resume.CommitRegion``, with ``skip`` a prefix): told as each Adam pass
+        ``progress`` (``offload.resume.CommitRegion``, with ``skip`` stepped already): told as each Adam pass
         starts and as each sub-group is stepped and marked dirty, each pass logged in ``undo``; with
         ``resume`` the first pass is one a killed process started ([Note: restartable step])."""
         order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]

@@ -35,12 +35,12 @@ before the step; a rollback drops the host copies unwritten and reads them again
 commit marks them dirty and evicts them. At most ``window - 1`` blocks are stepped early with nvme
 (those prefetched as backward began), so the rest of the step still has room to pipeline.
 With the daemon, the step-in-progress marker is set as the boundary's backward begins, not at
-``engine.step()``: a process that dies under backward leaves a state a resume calls torn. It is
-not made restartable ([Note: restartable step] in offload.resume) because neither way out is in
-the daemon: finishing needs the gradients not yet landed (on the GPU or in the reducer's buffers,
-gone with the process) and the real multiplier (the global norm), and undoing the early sub-groups
-needs their rollback copies, which are the trainer's memory with cpu. (With nvme the pre-step state
-is still on NVMe, so a resume could roll back to the last commit: not done.)
+``engine.step()``, and a process that dies under backward is rolled back by its restart, not
+finished: finishing would need the gradients not yet landed (on the GPU or in the reducer's
+buffers, gone with the process) and the real multiplier (the global norm). So the rollback copies
+are daemon regions then (``engine.rollback.<k>``), each recorded once whole, and with nvme the
+pre-step state is NVMe's; after the verdict the step is an ordinary recorded one whose early
+sub-groups count as done ([Note: speculative step] in offload.resume).
 SuperOffload instead undoes a step algebraically (its ``adam_rollback``), which is not exact
 in floating point; a copy is.
 Besides: the params are staged (a copy of the partition in the compute dtype, as the delayed
@@ -70,8 +70,9 @@ import time
 
 import torch
 
-from csrc import ConfigError
+from csrc import ConfigError, QuotaExceededError, TierFullError
 from offload.precision import clip_coefficient
+from offload.resume import ROLLBACK_NAME
 from offload.zero.layout import Bucket
 from offload.zero.optimizer import PartitionedAdam, StepPlan
 from offload.zero.states import F32
@@ -142,6 +143,9 @@ class OverlappedStep:
                         "rollback copies take up to %.2f GB of host memory (offload.overlap_step false: none)",
                         len(held), len(layout.sub_groups), 3 * F32 * sum(held) / 1e9)
         self._copies: list[torch.Tensor] = []  # rollback copies; the k-th early sub-group of a step uses the k-th
+        self.commit = None
+        """The daemon's commit region (``offload.resume.CommitRegion``; the builder sets it): the rollback
+        copies are then regions of its store, each recorded once whole ([Note: speculative step])."""
         fmt = adam.storage.format  # a block's elements: 3 x numel fp32, or its bytes (offload.state_dtype)
         self._block_numel = max(fmt.block_numel(sg) for sg in layout.sub_groups)
         self._block_dtype = fmt.block_dtype()
@@ -207,6 +211,8 @@ class OverlappedStep:
             return
         if not storage.nvme and self.max_copies is not None and len(self._eager) >= self.max_copies:
             return
+        if not storage.nvme and not self._have_copy(len(self._eager)):
+            return
         self._futures.append(self._pool.submit(self._step_early, sg, len(self._eager)))
         self._eager.append(sg)
 
@@ -222,12 +228,42 @@ class OverlappedStep:
         storage = self.adam.storage
         state = storage.acquire(sg)
         if not storage.nvme:
-            while len(self._copies) <= k:
-                self._copies.append(torch.empty(self._block_numel, dtype=self._block_dtype))
             self._copies[k][:state.numel()].copy_(state)
+            if self.commit is not None:
+                self.commit.early_copied(k, sg)  # whole: a restart may restore it from now on
             self.backup_seconds += time.perf_counter() - t0
         self.adam.step_sub_group(sg, state, self._mult, self._plan)
         self._spans.append((t0, time.perf_counter()))
+
+    def _have_copy(self, k: int) -> bool:
+        """Rollback copy ``k`` exists (made now, on the calling thread, if not): plain host memory, or with
+        the daemon a region of the session (kept from a previous process of it). False if the daemon has no
+        room for it: no more sub-groups are stepped early then."""
+        while len(self._copies) <= k:
+            n = len(self._copies)
+            if self.commit is None:
+                self._copies.append(torch.empty(self._block_numel, dtype=self._block_dtype))
+                continue
+            store, name = self.commit.store, ROLLBACK_NAME.format(n)
+            nbytes = self._block_numel * self._block_dtype.itemsize
+            try:
+                try:
+                    held = store.info(name).nbytes
+                except ConfigError:
+                    held = None
+                if held is not None and held < nbytes:
+                    store.free(name)
+                    held = None
+                if held is None:
+                    store.allocate(name, nbytes)
+            except (TierFullError, QuotaExceededError) as exc:
+                logger.warning("offload.overlap_step: no room in the daemon for rollback copy %d (%s): at most %d "
+                               "sub-group(s) stepped under backward per step", n, exc, n)
+                self.max_copies = n
+                return False
+            self._copies.append(torch.frombuffer(store.host_view(name), dtype=self._block_dtype,
+                                                 count=self._block_numel))
+        return True
 
     def _join(self) -> list[int]:
         """Wait for the worker; account its time; the sub-groups it stepped."""
@@ -252,9 +288,11 @@ class OverlappedStep:
 
     # -- the verdict ---------------------------------------------------------------------------
 
-    def step(self, grad_multiplier: float) -> None:
+    def step(self, grad_multiplier: float, *, record=None, progress=None) -> None:
         """The boundary's step (instead of ``PartitionedAdam.step``): keep the early sub-groups if the
-        speculation holds, else undo them; step the rest; publish."""
+        speculation holds, else undo them; step the rest; publish. ``record(plan, early)``: writes the
+        step record once the early sub-groups are final, ``progress``: as ``PartitionedAdam.step_states``'s
+        ([Note: speculative step] in offload.resume)."""
         eager = self._join()
         plan = self.adam.prepare_step()
         spec = self._plan
@@ -264,11 +302,13 @@ class OverlappedStep:
                          plan.step_count, grad_multiplier, self._mult, len(eager))
             self._undo(eager)
             eager = []
+        if record is not None:
+            record(plan, eager)
         if self.adam.storage.nvme:
             for sg in eager:
                 self.adam.storage.release(sg, dirty=True)
         self.early_sub_groups += len(eager)
-        self.adam.step_states(grad_multiplier, plan, skip=frozenset(eager))
+        self.adam.step_states(grad_multiplier, plan, skip=frozenset(eager), progress=progress)
         self.adam.publish()
 
     def cancel(self) -> None:

@@ -121,6 +121,18 @@ class StateStorage:
                 self.tier.wait_for_evict(self.tier.evict(held))
             self._placement[:] = [Placement.NVME for _ in self.layout.sub_groups]
 
+    def keep_written(self, sgs: Iterable[int]) -> None:
+        """Before ``adopt`` on a resume: blocks the killed process stepped but had not yet marked dirty (an
+        overlapped step's early sub-groups, [Note: speculative step] in offload.resume) are marked now, so
+        that their host copies are written back, not dropped for NVMe's."""
+        if not self.nvme:
+            return
+        self.tier.flush()
+        for sg in sgs:
+            name = self._state_name(sg)
+            if self.tier.info(name).tier.value != "nvme":
+                self.tier.mark_dirty(name)
+
     def grad(self, sg: int) -> torch.Tensor:
         """The fp32 gradient accumulator of a sub-group (always resident)."""
         name = self._grad_name(sg)

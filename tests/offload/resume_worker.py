@@ -7,7 +7,8 @@ LOAD_AT_START=1 at every start, as a DeepSpeed script does, noting the step it s
 WORKDIR/started-rank<r>.txt), OVERLAP=1 (offload.overlap_step on). Kills inside
 the step that a restart finishes (issue 18): kill-after-sub-group (as the second sub-group is fetched),
 kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), kill-in-publish (every sub-group stepped,
-the params not yet gathered), kill-in-adam (inside the C pass of sub-group FAULT_SUB_GROUP: call FAULT_CALL, chunk
+the params not yet gathered), kill-after-verdict (an overlapped step's record just written: WORKDIR/faulted-rank<r>
+names its early sub-groups), kill-in-adam (inside the C pass of sub-group FAULT_SUB_GROUP: call FAULT_CALL, chunk
 FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET). WIDTH and SUB_GROUP: see ckpt_worker.
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
@@ -34,7 +35,7 @@ def read_losses(workdir, rank: int, steps: int) -> list[float]:
     return [out[s] for s in range(steps)]
 
 
-STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish", "kill-in-adam")
+STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish", "kill-in-adam", "kill-after-verdict")
 
 
 def _die_inside_the_step(engine, fault: str) -> None:
@@ -66,6 +67,16 @@ def _die_inside_the_step(engine, fault: str) -> None:
                                     int(os.environ.get("FAULT_OFFSET", "0")))
             return acquire(sg)
         storage.acquire = arming
+    elif fault == "kill-after-verdict":  # an overlapped step's record written, its early sub-groups named
+        begin = engine.commit.begin_recorded_step
+        workdir = sys.argv[2]
+
+        def recorded(record):
+            begin(record)
+            with open(os.path.join(workdir, f"faulted-rank{engine.global_rank}"), "w") as f:
+                f.write(" ".join(map(str, record.get("early", ()))))
+            die()  # nvme: before the early blocks are marked dirty
+        engine.commit.begin_recorded_step = recorded
     else:
         adam.publish = die
 

@@ -85,12 +85,13 @@ def test_rank_killed_in_forward_resumes_from_the_daemon_exactly(tmp_path, daemon
     _same(reference, tmp_path, ranks=2)
 
 
-@pytest.mark.parametrize("device,overlap", [("nvme", ""), ("cpu", "1")])
-def test_kill_inside_the_step_is_torn_and_the_checkpoint_continues(tmp_path, daemon, device, overlap):
-    """With offload.overlap_step (cpu: the state is stepped in place in the daemon's memory) the first
-    sub-group is stepped under the boundary's backward, which the worker holds open: the kill lands
-    there, and the state must read torn all the same. Without it (nvme) the kill lands after the
-    first sub-group's Adam pass, before its release: the restart finishes the step (issue 18)."""
+@pytest.mark.parametrize("device,overlap", [("nvme", ""), ("cpu", "1"), ("nvme", "1")])
+def test_kill_inside_the_step_resumes_exactly(tmp_path, daemon, device, overlap):
+    """With offload.overlap_step the first sub-group is stepped under the boundary's backward, which the
+    worker holds open: the kill lands there, and the restart undoes the step (cpu: from the rollback copy
+    in the daemon's memory; nvme: NVMe's block from before it) and resumes at the step before
+    ([Note: speculative step] in offload.resume). Without it (nvme) the kill lands after the first
+    sub-group's Adam pass, before its release: the restart finishes the step (issue 18)."""
     ref = tmp_path / "ref"
     ref.mkdir()
     assert _run(ref, device, CKPT_EVERY=10, OVERLAP=overlap).returncode == 0
@@ -102,11 +103,32 @@ def test_kill_inside_the_step_is_torn_and_the_checkpoint_continues(tmp_path, dae
     killed_on = (run / "faulted-rank0").read_text()
     assert killed_on.startswith("offload-overlap") if overlap else killed_on == "MainThread"
     if overlap:
-        assert "TORN:" in proc.stderr and "global_step10" in proc.stderr  # the error names the checkpoint
-        assert _final(run)["resumed_step"] is None  # the fresh start loaded the checkpoint instead
+        assert "TORN" not in proc.stderr
+        assert "the overlapped step it was killed in under backward undone" in proc.stderr
+        assert _final(run)["resumed_step"] == 15
     else:  # the pass's calls were all done: the undo log says so, and the step is finished
         assert "TORN" not in proc.stderr
         assert _final(run)["resumed_step"] == 16
+    _same(ref, run)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_kill_after_an_overlapped_steps_verdict_finishes_it_exactly(tmp_path, daemon, device):
+    """Killed right after the overlapped step's record is written (with nvme, before its early sub-groups are
+    marked dirty): the restart keeps the early sub-groups' new state (nvme: marks their host copies dirty
+    before adopting the session), steps the rest from the committed inputs, and ends bit-equal."""
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    assert _run(ref, device, OVERLAP=1).returncode == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _run(run, device, restarts=1, socket=daemon.socket_path, FAULT="kill-after-verdict", FAULT_STEP=15,
+                OVERLAP=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (run / "faulted-rank0").read_text().split(), "no sub-group was stepped under backward"
+    assert "TORN" not in proc.stderr
+    assert "the step it was killed in finished from its committed inputs" in proc.stderr
+    assert _final(run)["resumed_step"] == 16
     _same(ref, run)
 
 

@@ -3,7 +3,7 @@ restart reads from each moment of a step, over a plain in-memory store (the regi
 from __future__ import annotations
 
 from csrc import ConfigError
-from offload.resume import FINISH, FRESH, RESUME, TORN, UNDO_NAME, CommitRegion, inspect_session
+from offload.resume import FINISH, FRESH, RESUME, ROLLBACK, TORN, UNDO_NAME, CommitRegion, inspect_session
 
 
 class _Store:
@@ -58,5 +58,38 @@ def test_each_moment_of_a_step_reads_as_what_a_restart_can_do():
 
     region.commit(4, {"last_checkpoint": None})
     assert _verdict(store)[:2] == (RESUME, 4)
-    region.begin_step()  # an overlapped step: no record, so the last step's must not be read as this one's
+    region.begin_step()  # a delayed step: no record, so the last step's must not be read as this one's
+    assert _verdict(store)[0] == TORN
+
+
+def test_an_overlapped_step_rolls_back_under_backward_and_finishes_after_its_verdict():
+    """[Note: speculative step]: under backward the restart undoes the step (the copies recorded whole, and
+    only those); once the step record names the early sub-groups, it finishes the step, skipping them."""
+    store = _Store()
+    region = CommitRegion(store, existing=False)
+    region.begin_speculative_step()
+    assert _verdict(store)[:2] == (FRESH, -1)  # nothing committed yet: a fresh start, as ever
+    region.commit(4, {"last_checkpoint": None})
+
+    region.begin_speculative_step()
+    verdict, step, payload = _verdict(store)
+    assert (verdict, step, payload["rollback"]) == (ROLLBACK, 4, [])  # no copy made yet: nothing to restore
+    region.early_copied(0, 3)
+    region.early_copied(1, 5)
+    verdict, step, payload = _verdict(store)
+    assert (verdict, step, payload["rollback"]) == (ROLLBACK, 4, [(0, 3), (1, 5)])
+    region.begin_speculative_step()  # the next step's backward: the last one's copies are not its own
+    assert _verdict(store)[2]["rollback"] == []
+
+    early = dict(RECORD, early=[0, 2])
+    region.begin_recorded_step(early)  # the verdict held: the early sub-groups are done
+    verdict, step, payload = _verdict(store)
+    assert (verdict, step) == (FINISH, 5) and payload["step_record"] == (early, 0, False)
+    store.allocate(UNDO_NAME, 64)
+    region.sub_group_started(1)  # the first sub-group not stepped early: finished from the undo log
+    assert _verdict(store)[2]["step_record"] == (early, 0, True)
+    region.sub_group_done(2)
+    region.sub_group_started(3)  # 2 was early: 3 is the next pass
+    assert _verdict(store)[2]["step_record"] == (early, 2, True)
+    region.sub_group_started(4)  # a pass that cannot be the one running: not finishable
     assert _verdict(store)[0] == TORN
