@@ -67,6 +67,20 @@ OFL_AI void store_out16(int32_t dt, void *out, int64_t i, __m512 x, __mmask16 k,
     else _mm256_storeu_si256((__m256i *)dst, h);
 }
 
+/* Master, exp_avg and exp_avg_sq vectors stored at element i (the first `k` lanes of a tail). */
+OFL_AI void store3_16(float *p, float *m, float *v, int64_t i, __m512 pv, __m512 mv, __m512 vv, __mmask16 k,
+                      int tail) {
+    if (tail) {
+        _mm512_mask_storeu_ps(p + i, k, pv);
+        _mm512_mask_storeu_ps(m + i, k, mv);
+        _mm512_mask_storeu_ps(v + i, k, vv);
+    } else {
+        _mm512_storeu_ps(p + i, pv);
+        _mm512_storeu_ps(m + i, mv);
+        _mm512_storeu_ps(v + i, vv);
+    }
+}
+
 /* op, om, ov: a ring of two vectors where the old values go before the new ones are stored in
  * place (the journal of adam_undo.c, [Note: journal]), with *word set to base + the vectors
  * journaled so far after them; or NULL: no journal. Always a constant at the call, so the plain
@@ -79,15 +93,7 @@ OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, int l2, float *
     __m512 vv = tail ? _mm512_maskz_loadu_ps(k, v + i) : _mm512_loadu_ps(v + i);
     if (op) {
         int64_t r = (i / 16 & 1) * 16; /* the journal's ring of two vectors */
-        if (tail) {
-            _mm512_mask_storeu_ps(op + r, k, pv);
-            _mm512_mask_storeu_ps(om + r, k, mv);
-            _mm512_mask_storeu_ps(ov + r, k, vv);
-        } else {
-            _mm512_storeu_ps(op + r, pv);
-            _mm512_storeu_ps(om + r, mv);
-            _mm512_storeu_ps(ov + r, vv);
-        }
+        store3_16(op, om, ov, r, pv, mv, vv, k, tail);
         /* x86 stores reach memory in program order; these fences keep the compiler's order too */
         __atomic_store_n(word, base + ((uint64_t)(i / 16 + 1) << OFL_JOURNAL_VECTORS_SHIFT), __ATOMIC_RELEASE);
         __atomic_signal_fence(__ATOMIC_SEQ_CST);
@@ -100,15 +106,7 @@ OFL_AI void update16(const vcoeffs16 *c, int32_t gd, int32_t od, int l2, float *
     vv = _mm512_fmadd_ps(c->b2, vv, _mm512_mul_ps(_mm512_mul_ps(c->omb2, gv), gv));
     __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), c->ibc2, c->eps);
     pv = _mm512_fnmadd_ps(c->step, _mm512_div_ps(mv, den), _mm512_mul_ps(pv, c->decay));
-    if (tail) {
-        _mm512_mask_storeu_ps(p + i, k, pv);
-        _mm512_mask_storeu_ps(m + i, k, mv);
-        _mm512_mask_storeu_ps(v + i, k, vv);
-    } else {
-        _mm512_storeu_ps(p + i, pv);
-        _mm512_storeu_ps(m + i, mv);
-        _mm512_storeu_ps(v + i, vv);
-    }
+    store3_16(p, m, v, i, pv, mv, vv, k, tail);
     store_out16(od, out, i, pv, k, tail);
 }
 

@@ -176,7 +176,9 @@ class CommitRegion:
     def early_copied(self, k: int, sg: int) -> None:
         """Rollback copy ``k`` (region ROLLBACK_NAME) holds sub-group ``sg``'s state from before the step."""
         at = RECORD_AT + _RECORD.size + 8 * k
-        _fits(bytes(8 * (k + 1)), COMMIT_BYTES - RECORD_AT - _RECORD.size)
+        if at + 8 > COMMIT_BYTES:
+            raise ConfigError(f"rollback copy {k}: the commit region records at most "
+                              f"{(COMMIT_BYTES - RECORD_AT - _RECORD.size) // 8} early sub-groups")
         self._view[at:at + 8] = struct.pack("<q", sg)
         self._view[RECORD_AT + 16:RECORD_AT + 24] = struct.pack("<q", k + 1)
 

@@ -125,7 +125,8 @@ class StateStorage:
         """Before ``adopt`` on a resume: blocks the killed process stepped but had not yet marked dirty (an
         overlapped step's early sub-groups, [Note: speculative step] in offload.resume) are marked now, so
         that their host copies are written back, not dropped for NVMe's."""
-        if not self.nvme:
+        sgs = list(sgs)
+        if not self.nvme or not sgs:
             return
         self.tier.flush()
         for sg in sgs:
