@@ -24,6 +24,7 @@ from offload.config import EngineConfig, OffloadDevice, read_config, resolve_dae
 from offload.engine import Engine, RankInfo
 from offload.hf_init import InitStep, plan_steps
 from offload.meta_init import init_fn_of, init_record_of
+from offload.omp_wait import quiet_omp_waits
 from offload.pretrained import pending_load_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
@@ -241,6 +242,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise ConfigError("no config: pass config= (a dict or a JSON path), or args with --deepspeed_config")
     if dist_init_required is not False:
         init_distributed()
+    quiet_omp_waits()  # [Note: OpenMP waits]: torch's team sleeps rather than spins on a shared node
     ranks = _ranks()
     cfg = read_config(source, world_size=ranks.world_size)
     if cfg.optimizer is None:
