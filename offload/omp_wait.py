@@ -29,11 +29,12 @@ OpenMP runtime, whose rules these are not).
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import logging
 import os
 import threading
 
+import cffi
 import torch
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ ENV_KEEP_SPIN = "OFL_OMP_SPIN"
 _lock = threading.Lock()
 _started: int | None = None  # the helper team's size once started (0: decided to start none)
 _pid: int | None = None  # the process that decided: a forked child has no helper thread
-_REGION = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_ffi = cffi.FFI()
+_ffi.cdef("void GOMP_parallel(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);")
 
 
 def helper_team_size(cpus: int, torch_threads: int, environ: dict | None = None) -> int:
@@ -71,9 +73,13 @@ def loaded_libgomp(maps_path: str = "/proc/self/maps") -> str | None:
     return paths.pop() if len(paths) == 1 else None
 
 
-def _hold_team(lib: ctypes.CDLL, size: int, started: threading.Event, forever: threading.Event) -> None:
-    region = _REGION(lambda _data: None)
-    lib.GOMP_parallel(region, None, ctypes.c_uint(size), ctypes.c_uint(0))  # returns when the region ends
+@functools.cache
+def _empty_region():
+    return _ffi.callback("void(void *)", lambda _data: None)
+
+
+def _hold_team(lib, size: int, started: threading.Event, forever: threading.Event) -> None:
+    lib.GOMP_parallel(_empty_region(), _ffi.NULL, size, 0)  # returns when every member has run the region
     started.set()
     forever.wait()  # the pool lives as long as this thread does
 
@@ -91,7 +97,7 @@ def quiet_omp_waits() -> int:
             if size:
                 logger.debug("torch's OpenMP waits left as they are: no single libgomp is loaded")
             return 0
-        lib = ctypes.CDLL(path)  # already loaded: the same library torch's kernels run on
+        lib = _ffi.dlopen(path)  # already loaded: the same library torch's kernels run on
         started, forever = threading.Event(), threading.Event()
         threading.Thread(target=_hold_team, args=(lib, size, started, forever), name="ofl-omp-quiet",
                          daemon=True).start()

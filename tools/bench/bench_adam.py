@@ -30,8 +30,13 @@ The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32)
 arrays (16 B a param) exceed the last-level cache. The load average (1 minute) at the
 end of each case is in the summary: other work on the machine moves every figure.
 
+torch's OpenMP workers wait in the bench as they do in a process that called offload.initialize (a short
+spin, then asleep; [Note: OpenMP waits] in offload.omp_wait), for torch's steps and ours alike; --omp-waits
+spin keeps libgomp's default (milliseconds of spinning after each torch op, which hold a core our pool then
+waits for).
+
 Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8] [--states 1e7 1e8]
-       [--rounds R] [--out FILE]
+       [--rounds R] [--omp-waits engine|spin] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -54,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cpu_adam import AdamConfig, CPUAdam, adam_step, default_num_threads, resolve_isa  # noqa: E402
 from cpu_adam.kernels import stream_inplace  # noqa: E402
 from cpu_adam.state_memory import zeros_state_like  # noqa: E402
+from offload.omp_wait import quiet_omp_waits  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, WD, SCALE = 1e-4, 0.01, 1.0 / 1024.0
@@ -372,9 +378,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case; default by size (40-200)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--foreach", action="store_true", help="also time AdamW(foreach=True)")
+    ap.add_argument("--omp-waits", choices=("engine", "spin"), default="engine",
+                    help="engine: torch's OpenMP workers wait as under offload.initialize (a short spin, then "
+                         "asleep: [Note: OpenMP waits]); spin: libgomp's default, milliseconds of spinning")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    team = quiet_omp_waits() if args.omp_waits == "engine" else 0
 
     header = [
         f"# CPU Adam benchmark, {datetime.date.today():%Y-%m-%d}",
@@ -382,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- CPU: {cpu_description()}",
         f"- {args.threads} threads (torch and ours); torch {torch.__version__}; "
         f"our ISA path: {resolve_isa(None).name.lower()}",
+        f"- torch's OpenMP waits: {args.omp_waits}" + (f" (helper team of {team})" if team else ""),
         f"- command: `{' '.join(['python tools/bench/bench_adam.py', *sys.argv[1:]])}`",
         f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
         "- contenders interleaved within each round, order shuffled; Mparams/s: median (p10-p90) "
