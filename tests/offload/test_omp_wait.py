@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.omp_wait import helper_team_size, loaded_libgomp
+from csrc import ConfigError
+from offload.omp_wait import ContentionSwitch, WaitWatchConfig, helper_team_size, loaded_libgomp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ print("workers", (time.process_time() - t0) - (time.thread_time() - m0))
 
 
 def _workers_cpu(mode: str, **env: str) -> float:
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OFL_OMP_SPIN")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OFL_OMP_WAIT")}
     environ.update(env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
     out = subprocess.run([sys.executable, "-c", PROBE, mode], env=environ, capture_output=True, text=True,
                          timeout=120, check=True).stdout
@@ -56,17 +57,82 @@ def test_the_engine_stops_torchs_workers_spinning_between_ops():
     plain = _workers_cpu("plain")
     if plain < 0.05:
         pytest.skip(f"torch's workers spun only {plain:.3f} s here: nothing to stop")
-    engine = _workers_cpu("engine")
+    engine = _workers_cpu("engine", OFL_OMP_WAIT="sleep")
     assert engine < 0.25 * plain, f"workers' CPU with the engine {engine:.3f} s, without {plain:.3f} s"
 
 
 @needs_gomp
-@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}, {"OFL_OMP_SPIN": "1"}])
+@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "ACTIVE", "OFL_OMP_WAIT": "sleep"},
+                                 {"GOMP_SPINCOUNT": "300000", "OFL_OMP_WAIT": "sleep"}, {"OFL_OMP_WAIT": "spin"}])
 def test_a_users_own_wait_policy_is_left_alone(env):
     plain = _workers_cpu("plain", **env)
     if plain < 0.05:
         pytest.skip(f"torch's workers spun only {plain:.3f} s here under {env}")
     assert _workers_cpu("call", **env) > 0.5 * plain
+
+
+WATCH = r"""
+import os, subprocess, sys, time, torch
+from offload.omp_wait import helper_active, quiet_omp_waits
+a = torch.randn(1 << 20)
+a.mul_(2)
+quiet_omp_waits()
+def work(seconds, until=None):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a.mul_(1.0001)
+        sum(range(20000))
+        if until is not None and helper_active() == until:
+            return until
+    return helper_active()
+spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"  # ends with this process
+busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in os.sched_getaffinity(0)]
+try:
+    on = work(10, until=True)
+    threads_on = len(os.listdir("/proc/self/task"))
+finally:
+    for b in busy:
+        b.kill()
+        b.wait()
+off = not work(15, until=False)
+for _ in range(40):  # the freed pool's worker exits on its own time
+    if len(os.listdir("/proc/self/task")) < threads_on:
+        break
+    time.sleep(0.05)
+print("on", on, "off", off, "threads", threads_on, len(os.listdir("/proc/self/task")))
+"""
+
+
+@needs_gomp
+def test_the_team_is_held_while_the_cpus_are_contended_and_let_go_after():
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OFL_OMP_WAIT")}
+    environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", WATCH], env=environ, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out[:4] == ["on", "True", "off", "True"], out
+    threads_on, threads_after = int(out[5]), int(out[6])
+    assert threads_after < threads_on, "the team's thread and its worker are gone once released"
+
+
+def test_the_switch_turns_on_at_once_and_off_after_a_calm_stretch():
+    switch = ContentionSwitch(WaitWatchConfig(interval_seconds=0.25, on_delay_share=0.1, off_delay_share=0.02,
+                                              off_intervals=3))
+    assert not switch.update(0.25, 0.02)  # 8%: below the on share
+    assert switch.update(0.25, 0.025)  # 10%
+    assert switch.update(0.25, 0.0) and switch.update(0.25, 0.0)  # two calm intervals: still on
+    assert switch.update(0.25, 0.01)  # 4%: not calm, the count starts again
+    assert switch.update(0.25, 0.0) and switch.update(0.25, 0.0)
+    assert not switch.update(0.25, 0.0)  # the third calm interval in a row
+    assert not switch.update(0.25, 0.02) and not switch.update(0.0, 0.0)
+    with pytest.raises(ValueError, match="off_delay_share"):
+        WaitWatchConfig(on_delay_share=0.01, off_delay_share=0.02)
+    with pytest.raises(ValueError, match="interval_seconds"):
+        WaitWatchConfig(interval_seconds=0)
+
+
+def test_a_bad_mode_names_the_variable():
+    with pytest.raises(ConfigError, match="OFL_OMP_WAIT"):
+        helper_team_size(2, 2, environ={"OFL_OMP_WAIT": "fast"})
 
 
 def test_the_helper_team_tips_libgomps_count_over_the_cpus():
@@ -76,8 +142,8 @@ def test_the_helper_team_tips_libgomps_count_over_the_cpus():
         assert team >= 2 and threads + team - 1 > cpus, (cpus, threads, team)
         assert threads + team - 2 <= cpus or team == 2, "no more threads than it takes"
     assert helper_team_size(8, 1, environ={}) == 0
-    assert helper_team_size(8, 8, environ={"OFL_OMP_SPIN": "1"}) == 0
-    assert helper_team_size(8, 8, environ={"OFL_OMP_SPIN": "0"}) == 2
+    assert helper_team_size(8, 8, environ={"OFL_OMP_WAIT": "spin"}) == 0
+    assert helper_team_size(8, 8, environ={"OFL_OMP_WAIT": "sleep"}) == 2
     assert helper_team_size(8, 8, environ={"OMP_WAIT_POLICY": "passive"}) == 0
 
 

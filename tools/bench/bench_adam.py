@@ -30,13 +30,13 @@ The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32)
 arrays (16 B a param) exceed the last-level cache. The load average (1 minute) at the
 end of each case is in the summary: other work on the machine moves every figure.
 
-torch's OpenMP workers wait in the bench as they do in a process that called offload.initialize (a short
-spin, then asleep; [Note: OpenMP waits] in offload.omp_wait), for torch's steps and ours alike; --omp-waits
-spin keeps libgomp's default (milliseconds of spinning after each torch op, which hold a core our pool then
-waits for).
+torch's OpenMP workers wait in the bench as they do in a process that called offload.initialize
+([Note: OpenMP waits] in offload.omp_wait), for torch's steps and ours alike: --omp-waits auto (the default)
+spins as libgomp does until the CPUs are contended, then briefly; sleep always briefly (cheaper for our pool
+after a torch op, dearer for torch's small ops); spin never changes libgomp's default.
 
 Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8] [--states 1e7 1e8]
-       [--rounds R] [--omp-waits engine|spin] [--out FILE]
+       [--rounds R] [--omp-waits auto|sleep|spin] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -378,13 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case; default by size (40-200)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--foreach", action="store_true", help="also time AdamW(foreach=True)")
-    ap.add_argument("--omp-waits", choices=("engine", "spin"), default="engine",
-                    help="engine: torch's OpenMP workers wait as under offload.initialize (a short spin, then "
-                         "asleep: [Note: OpenMP waits]); spin: libgomp's default, milliseconds of spinning")
+    ap.add_argument("--omp-waits", choices=("auto", "sleep", "spin"), default="auto",
+                    help="torch's OpenMP waits as offload.initialize sets them (OFL_OMP_WAIT, [Note: OpenMP waits]): "
+                         "auto, a short spin only while the CPUs are contended; sleep, always; spin, libgomp's default")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    team = quiet_omp_waits() if args.omp_waits == "engine" else 0
+    os.environ["OFL_OMP_WAIT"] = args.omp_waits
+    team = quiet_omp_waits()
 
     header = [
         f"# CPU Adam benchmark, {datetime.date.today():%Y-%m-%d}",
