@@ -14,7 +14,7 @@ in a user's script. But libgomp has a second rule, read at every wait (``do_spin
 ``libgomp/config/linux/wait.h``): while it manages more threads than the process had CPUs at start
 (``gomp_managed_threads > gomp_available_cpus``), it spins only ``gomp_throttled_spin_count_var`` times,
 100 by default, as it should when the CPUs are oversubscribed. So the engine starts one OpenMP team of its
-own, from a thread that then sleeps for the life of the process: its docked workers sleep on a futex and
+own, from a thread that then blocks until the team is let go: its docked workers sleep on a futex and
 cost no CPU, and they count as managed threads, so every wait of torch's team becomes the short spin.
 A team started by a thread other than the first adds its size less one to the count, which starts at 1
 and holds torch's team (``torch_threads - 1``); so ``cpus - torch_threads + 2`` threads tip it over.
