@@ -31,7 +31,8 @@ CPU while runnable (``run_delay`` in ``/proc/self/task/<tid>/schedstat``). A ten
 starts the team; under 2% for 2 s in a row ends it (its thread exits, libgomp frees the pool and lowers
 its count), and torch's workers spin again.
 
-``OFL_OMP_WAIT``: ``auto`` (the watcher, default), ``sleep`` (the team held for good), ``spin`` (never).
+``OFL_OMP_WAIT``: ``auto`` (the watcher, default; where the kernel keeps no run delay it never holds the
+team, libgomp's default), ``sleep`` (the team held for good), ``spin`` (never).
 Left alone too when the user chose (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set), and where it cannot
 matter: torch runs one intra-op thread (no team waits), or no libgomp is loaded (another OpenMP runtime,
 whose rules these are not).
@@ -185,6 +186,9 @@ def _run_delay_seconds(tid: int) -> float | None:
 def _watch(team: _HelperTeam, tid: int, config: WaitWatchConfig) -> None:
     switch = ContentionSwitch(config)
     wall, delay = time.monotonic(), _run_delay_seconds(tid)
+    if delay is None:
+        logger.info("no run delay in /proc/self/task/%d/schedstat: torch's OpenMP waits stay libgomp's default "
+                    "(OFL_OMP_WAIT=sleep shortens them always)", tid)
     while delay is not None:
         time.sleep(config.interval_seconds)
         now, later = time.monotonic(), _run_delay_seconds(tid)
