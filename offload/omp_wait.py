@@ -19,9 +19,10 @@ cost no CPU, and they count as managed threads, so every wait of torch's team be
 A team started by a thread other than the first adds its size less one to the count, which starts at 1
 and holds torch's team (``torch_threads - 1``); so ``cpus - torch_threads + 2`` threads tip it over.
 
-Measured on the 2-vCPU EPYC (``tools/bench/results/contention-omp_2core-epyc_202611.md``): under two busy
-loops plain torch's forward of the bench's GPT 2.08 -> 1.29 s and backward 4.20 -> 2.56 s (PASSIVE:
-1.38 / 2.70); quiet, no cost (0.69 -> 0.67 s forward, medians of 6).
+Measured on the 2-vCPU EPYC (``contention_sections.py torch c --omp-waits spin|sleep``, results in
+``tools/bench/results/contention-omp_2core-epyc_202611.md``): under two busy loops plain torch's forward of
+the bench's GPT 1.67-1.69 -> 1.21-1.30 s and backward 3.34 -> 2.42-2.57 s (PASSIVE: 1.21 / 2.46); quiet,
+one pair, 0.62 -> 0.66 s forward and 1.22 -> 1.27 s backward.
 
 The throttle is not free where torch's ops are tiny: a sleeping worker is woken by a futex at every
 region, tens of microseconds in this VM, so torch's fused AdamW over 100 tensors of 1e4 ran 4x slower with
@@ -107,10 +108,11 @@ class ContentionSwitch:
         return self.on
 
 
-def helper_team_size(cpus: int, torch_threads: int, environ: dict | None = None) -> int:
-    """The OpenMP team to start so that libgomp throttles its spins ([Note: OpenMP waits]); 0 for none."""
+def helper_team_size(cpus: int, torch_threads: int, environ: dict | None = None, mode: str | None = None) -> int:
+    """The OpenMP team to start so that libgomp throttles its spins ([Note: OpenMP waits]); 0 for none.
+    ``mode``: one of MODES, default ``OFL_OMP_WAIT``'s."""
     env = os.environ if environ is None else environ
-    if any(env.get(k) for k in USER_KNOBS) or _mode(env) == "spin":
+    if any(env.get(k) for k in USER_KNOBS) or (mode or _mode(env)) == "spin":
         return 0
     if torch_threads < 2:
         return 0
@@ -212,16 +214,17 @@ def helper_active() -> bool:
     return _team is not None and _pid == os.getpid() and _team.held
 
 
-def quiet_omp_waits(config: WaitWatchConfig | None = None) -> int:
+def quiet_omp_waits(config: WaitWatchConfig | None = None, mode: str | None = None) -> int:
     """Set up torch's OpenMP waits for this process once ([Note: OpenMP waits]): the helper team held for good
-    (``sleep``) or while the calling thread waits for CPUs (``auto``). Returns the team's size, 0 for none."""
+    (``sleep``) or while the calling thread waits for CPUs (``auto``). ``mode`` (a bench's choice) overrides
+    ``OFL_OMP_WAIT``. Returns the team's size, 0 for none."""
     global _team, _pid
     with _lock:
         if _pid == os.getpid():
             return _team.size if _team is not None else 0
         _pid, _team = os.getpid(), None
-        mode = _mode(os.environ)
-        size = helper_team_size(len(os.sched_getaffinity(0)), torch.get_num_threads())
+        mode = _mode({ENV_MODE: mode} if mode is not None else os.environ)
+        size = helper_team_size(len(os.sched_getaffinity(0)), torch.get_num_threads(), mode=mode)
         path = loaded_libgomp() if size else None
         if path is None:
             if size:

@@ -46,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("config", choices=sorted(worker.CONFIGS))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--omp-waits", choices=("auto", "sleep", "spin"), default=None,
+                    help="set torch's OpenMP waits first, as offload.initialize does ([Note: OpenMP waits]); for "
+                         "plain torch too (our venv only). Default: as the contender leaves them (ours: auto)")
     args = ap.parse_args(argv)
+    if args.omp_waits is not None:
+        from offload.omp_wait import quiet_omp_waits
+        quiet_omp_waits(mode=args.omp_waits)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     nvme = args.nvme_path or tempfile.mkdtemp(prefix="sections-")
