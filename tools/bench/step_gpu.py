@@ -12,6 +12,7 @@ batches; one rank):
   opt-nvme       offload_optimizer nvme (swap file under --nvme-path)
   opt-cpu-dpu    opt-cpu with offload.delayed_update after one ordinary step (the CPU step of step t
                  overlaps forward and backward of step t+1)
+  opt-cpu-int8   opt-cpu with offload.state_dtype "int8" (blockwise 8-bit Adam moments in host memory)
   s3-param-cpu   ZeRO stage 3, offload_param cpu, offload_optimizer cpu
   s3-param-nvme  ZeRO stage 3, offload_param nvme, offload_optimizer nvme (ZeRO-Infinity)
 
@@ -87,6 +88,8 @@ def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str) -> di
         config["offload"] = {"delayed_update": True, "delayed_update_warmup_steps": 1}
     if c.overlap is not None:
         config.setdefault("offload", {})["overlap_step"] = c.overlap
+    if c.state_dtype != "fp32":
+        config.setdefault("offload", {})["state_dtype"] = c.state_dtype
     return config
 
 
