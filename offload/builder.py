@@ -29,8 +29,7 @@ from offload.pretrained import pending_load_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
 from offload.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session, open_undo,
-                            roll_back, undo_exists,
-                            undo_slots)
+                            roll_back, step_multiplier, undo_exists, undo_slots)
 from offload.schedulers import build_scheduler
 from offload.tiers import Tier, open_tier, plan_bytes
 from offload.zero.grads import GradReducer
@@ -437,7 +436,15 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
         return tier, FRESH, None, None
     try:
         verdict, step, payload, commit = inspect_session(tier.store)
-        verdict, said = agree(verdict, step, ranks.group, ranks.world_size)
+        pending = payload is not None and "pending" in payload
+        verdict, said, multiplier = agree(verdict, step, ranks.group, ranks.world_size, pending=pending,
+                                          multiplier=step_multiplier(verdict, payload))
+        if pending and verdict == FINISH:  # its peers passed the all-reduce ([Note: pending step] in offload.resume)
+            payload = dict(payload, step_record=(dict(payload["pending"], multiplier=multiplier), 0, False))
+            if multiplier is not None:
+                commit.record_multiplier(multiplier)  # an ordinary record now: a kill while finishing finishes it
+            logger.warning("rank %d: killed just after its step's all-reduce, one step behind its peers (%s): "
+                           "finishing that step from its record", ranks.rank, said)
     except BaseException:
         tier.close(keep_session=True)
         raise

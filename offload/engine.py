@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError, DaemonNotRunningError
+from offload.engine_stats import EngineStats
 from offload.host_heap import HeapTrimmer
 from offload.precision import LossScaler, clip_coefficient
-from offload.resume import CommitRegion, daemon_lost
+from offload.resume import UNKNOWN, CommitRegion, daemon_lost
 from offload.rng import rng_state, set_rng_state
 from offload.tiers import Tier
 from offload.zero.grads import GradReducer
@@ -42,35 +43,6 @@ class RankInfo:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     group: dist.ProcessGroup | None = None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineStats:
-    """What the tiers did, for progress bars and summaries."""
-
-    optimizer_device: str
-    """"none", "cpu" or "nvme"."""
-    tier: str
-    """Which tier holds the state (the embedded store and its engine, or the daemon)."""
-    state_bytes_by_tier: dict[str, int]
-    """Bytes of fp32 master + moments per tier now: "device", "host", "nvme"."""
-    bytes_read_total: int
-    """NVMe -> host bytes of this engine's tier."""
-    bytes_written_total: int
-    """Host -> NVMe bytes."""
-    io_wait_seconds_total: float
-    """Time ``step`` spent waiting on tier I/O."""
-    step_seconds_total: float
-    """Time spent in optimizer steps."""
-    optimizer_steps: int
-    """Steps taken (overflow-skipped steps not counted)."""
-    skipped_steps: int
-    """Steps skipped for a non-finite gradient."""
-    step_seconds_under_backward_total: float = 0.0
-    """Optimizer step time (wall time of its thread) that ran while backward still ran
-    (offload.overlap_step); the time after backward is ``step_seconds_total``."""
-    overlap_rollbacks: int = 0
-    """Steps whose sub-groups stepped under backward were undone (clipping, overflow)."""
 
 
 class Engine:
@@ -104,6 +76,8 @@ class Engine:
         self.step_seconds = 0.0
         self.last_grad_norm: float | None = None
         self._multiplier: float | None = None  # set by step() for the optimizer's step() to apply
+        self._pending: tuple[dict[str, Any], Any] | None = None  # the plain recorded step's (small state, plan)
+        self.step_multiplier: Any = UNKNOWN  # the last step's multiplier (None: skipped): [Note: pending step]
         self.wall_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         self.client_state: dict[str, Any] = {}
         """The caller's small state (its data position): committed with every step, back after a resume."""
@@ -273,9 +247,15 @@ class Engine:
         if self.delayed is not None:
             self.delayed.publish()  # the step started at the last boundary ([Note: delayed update])
         denom = self.scaler.scale * self.world_size
+        if self._records_plain_step():  # all but the multiplier, before the all-reduce ([Note: pending step])
+            self._pending = (self.small_state(), self.adam.prepare_step(count=False))
+            self.commit.begin_pending_step({"small": self._pending[0], "step_count": self._pending[1].step_count,
+                                            "hypers": self._pending[1].hypers})
         sumsq = self.adam.global_sumsq()
         overflow = not math.isfinite(sumsq)
         if overflow:
+            self._pending = None
+            self.step_multiplier = None
             self.last_grad_norm = float("inf")
             if self.overlap is not None:
                 self.overlap.cancel()
@@ -317,6 +297,7 @@ class Engine:
         if self._multiplier is None:
             raise ConfigError("optimizer.step() is driven by the engine: call engine.backward(loss); engine.step()")
         multiplier, self._multiplier = self._multiplier, None
+        self.step_multiplier = multiplier
         recorded = self.commit is not None and self.record_steps and self.delayed is None
         if self.commit is not None and not recorded:
             self.commit.begin_step()  # [Note: restartable step] in offload.resume: no record for these
@@ -333,14 +314,20 @@ class Engine:
                                                      "early": list(early)})
             self.overlap.step(multiplier, record=record, progress=self.commit if recorded else None)
         elif recorded:
-            small = self.small_state()
-            plan = self.adam.prepare_step()
-            self.commit.begin_recorded_step({"small": small, "step_count": plan.step_count, "hypers": plan.hypers,
-                                             "multiplier": multiplier})
+            pending, self._pending = self._pending, None
+            if pending is None:
+                raise RuntimeError("the plain recorded step's record was not written before its all-reduce")
+            plan = pending[1]
+            self.adam.step_count += 1  # what prepare_step counts
+            self.commit.record_multiplier(multiplier)
             self.adam.step_states(multiplier, plan, progress=self.commit)
             self.adam.publish()
         else:
             self.adam.step(multiplier)
+
+    def _records_plain_step(self) -> bool:
+        """Whether the step is recorded and neither overlapped nor delayed (those record their own way)."""
+        return self.commit is not None and self.record_steps and self.delayed is None and self.overlap is None
 
     def finish_step(self, record: dict[str, Any], done: int, in_pass: bool = False) -> None:
         """A restarted rank finishes the step its predecessor was killed in, from the step record
@@ -350,13 +337,18 @@ class Engine:
         from offload.zero.optimizer import StepPlan
 
         self.restore_small_state(record["small"])
-        grads = [self.adam.storage.grad(i) for i in range(len(self.layout.sub_groups))]
-        plan = StepPlan(record["step_count"], record["hypers"], grads)
-        self.adam.step_count = record["step_count"] + 1
-        skip = frozenset(range(done)) | frozenset(record.get("early", ()))  # early: stepped under backward
-        self.adam.step_states(record["multiplier"], plan, skip=skip, progress=self.commit, resume=in_pass)
-        self.adam.storage.drain()
-        self._count_step(False)
+        self.step_multiplier = multiplier = record["multiplier"]
+        if multiplier is None:  # a pending step its peers skipped on overflow ([Note: pending step] in offload.resume)
+            self.skipped_steps += 1
+            self.adam.step_count = record["step_count"]
+        else:
+            grads = [self.adam.storage.grad(i) for i in range(len(self.layout.sub_groups))]
+            plan = StepPlan(record["step_count"], record["hypers"], grads)
+            self.adam.step_count = record["step_count"] + 1
+            skip = frozenset(range(done)) | frozenset(record.get("early", ()))  # early: stepped under backward
+            self.adam.step_states(multiplier, plan, skip=skip, progress=self.commit, resume=in_pass)
+            self.adam.storage.drain()
+        self._count_step(multiplier is None)
         self.micro_steps += 1
 
     def zero_grad(self) -> None:
@@ -374,6 +366,7 @@ class Engine:
             "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
             "rng": rng_state(), "client_state": dict(self.client_state), "last_checkpoint": self.last_checkpoint,
+            **({} if self.step_multiplier is UNKNOWN else {"step_multiplier": self.step_multiplier}),
         }
 
     def restore_small_state(self, state: dict[str, Any], *, optimizer: bool = True, scheduler: bool = True,
@@ -393,6 +386,7 @@ class Engine:
             set_rng_state(state["rng"])
         self.client_state = dict(state.get("client_state") or {})
         self.last_checkpoint = state.get("last_checkpoint", self.last_checkpoint)
+        self.step_multiplier = state.get("step_multiplier", UNKNOWN)
 
     # -- checkpoints and stats ---------------------------------------------------------------
 

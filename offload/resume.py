@@ -29,14 +29,16 @@ what the step in progress consumes, written before it touches the first sub-grou
 it got:
 
     offset  size  field
-    0       8     magic b"OFLSTP01"
-    8       4     valid: 1 = describes the step after the committed one; 0 = none (rewriting it)
+    0       8     magic b"OFLSTP02"
+    8       4     valid: 1 = describes the step after the committed one; 3 = its inputs but the
+                  multiplier (PENDING, below); 2 = SPECULATIVE (below); 0 = none (rewriting it)
     12      4     reserved (0)
     16      8     sub-groups done: [0, done) stepped and (nvme) marked dirty, in order
     24      8     sub-group whose Adam pass is running, or -1
     32      8     payload length
-    40      n     payload: a pickle of {"small": the engine's small state as the step began (its
-                  RNG, client_state, LR and loss scale), "step_count", "hypers", "multiplier"}
+    40      8     the step's gradient multiplier (float64; NaN until known)
+    48      n     payload: a pickle of {"small": the engine's small state as the step began (its
+                  RNG, client_state, LR and loss scale), "step_count", "hypers"}
 
 The gradients the step reads are daemon regions already (the accumulators) and the Adam pass
 only reads them, so with the record they are the whole input. A rank killed inside the step
@@ -68,6 +70,19 @@ record with an ordinary one (valid = 1) that names the early sub-groups as done 
 they are marked dirty after it, and by the restart before ``adopt`` if the kill came first); when it
 fails, the early blocks are restored first, so both readings stay true at every instant.
 
+[Note: pending step] Ranks agree on the step's multiplier by an all-reduce (the gradient norm), and
+a rank killed just after it, before its record, would otherwise resume at the committed step while a
+peer that got the same result goes on: it writes its record, steps, and may commit (torchrun's
+SIGTERM makes it finish the step), so the ranks would resume one step apart and the state be torn.
+So the plain recorded step writes its record before the all-reduce, all but the multiplier, with
+valid = 3 (PENDING) and the marker left committed (nothing is touched yet), and after it writes the
+multiplier, then valid = 1, then the marker. A restart that finds a PENDING record for the step after
+its committed one says so (``agree``): where every rank is at that committed step, the record is
+dropped and all resume there; where the peers are one step on (finishing it, or committed), its
+gradients had all landed (it had entered the all-reduce), so it finishes that step from its own record
+with the multiplier a peer reports (from its record, or the ``step_multiplier`` of its last commit;
+None: the step was skipped on overflow), bit-equal to a run never killed.
+
 A region whose step is still -1 was never committed (the trainer died before its first step
 finished: in its first forward, say). Its session holds nothing a restart needs, so it is a
 fresh start, not a torn one, whatever the marker says: the restarted trainer builds the state
@@ -76,6 +91,7 @@ again from the model (and loads its checkpoint, if the script does that), as the
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import struct
 from typing import Any
@@ -84,7 +100,8 @@ from csrc import ConfigError, SessionError, StateTornError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMIT_BYTES", "CommitRegion", "daemon_lost", "open_undo", "roll_back"]
+__all__ = ["COMMIT_BYTES", "CommitRegion", "agree", "daemon_lost", "inspect_session", "open_undo", "roll_back",
+           "step_multiplier"]
 
 COMMIT_NAME = "engine.commit"
 UNDO_NAME = "engine.undo"
@@ -93,10 +110,11 @@ MAGIC = b"OFLCMT01"
 _HEADER = struct.Struct("<8sIIqq")
 COMMITTED, IN_STEP = 0, 1
 RECORD_AT = 128 << 10  # [Note: restartable step]
-RECORD_MAGIC = b"OFLSTP01"
-_RECORD = struct.Struct("<8sIIqqq")
+RECORD_MAGIC = b"OFLSTP02"
+_RECORD = struct.Struct("<8sIIqqqd")
+_MULTIPLIER_AT = RECORD_AT + 40
 NO_PASS = -1
-RECORDED, SPECULATIVE = 1, 2
+RECORDED, SPECULATIVE, PENDING = 1, 2, 3
 ROLLBACK_NAME = "engine.rollback.{}"
 
 
@@ -145,31 +163,67 @@ class CommitRegion:
         self._view[8:12] = struct.pack("<I", IN_STEP)
 
     def commit(self, step: int, payload: dict[str, Any]) -> None:
-        """After the step: the small state, then the step number, then the marker."""
+        """After the step: the small state, then the step number, then the marker; then the step record is
+        spent (a record beside a committed marker is one of the step after it: [Note: pending step])."""
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         _fits(data, RECORD_AT - _HEADER.size)
         self._view[_HEADER.size:_HEADER.size + len(data)] = data
         self._view[16:32] = struct.pack("<qq", step, len(data))
         self._view[8:12] = struct.pack("<I", COMMITTED)
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 0)  # the step record is spent
 
     # -- the step record ([Note: restartable step]) --
 
     def begin_recorded_step(self, record: dict[str, Any]) -> None:
-        """Before the step touches the state: what it consumes, then the marker."""
+        """Before the step touches the state: what it consumes (its "multiplier" included), then the marker."""
+        record = dict(record)
+        multiplier = record.pop("multiplier")
+        self._write_record(record, valid=0, multiplier=multiplier)
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", RECORDED)
+        self._view[8:12] = struct.pack("<I", IN_STEP)
+
+    def begin_pending_step(self, record: dict[str, Any]) -> None:
+        """Before the all-reduce that fixes the step's multiplier: what the step consumes but the multiplier,
+        valid = PENDING, the marker left committed ([Note: pending step])."""
+        self._write_record(record, valid=0, multiplier=math.nan)
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", PENDING)
+
+    def record_multiplier(self, multiplier: float) -> None:
+        """The pending record's multiplier, then valid, then the marker: the step may touch the state now."""
+        self._view[_MULTIPLIER_AT:_MULTIPLIER_AT + 8] = struct.pack("<d", multiplier)
+        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", RECORDED)
+        self._view[8:12] = struct.pack("<I", IN_STEP)
+
+    def _write_record(self, record: dict[str, Any], *, valid: int, multiplier: float) -> None:
         data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
         _fits(data, COMMIT_BYTES - RECORD_AT - _RECORD.size)
         at = RECORD_AT + _RECORD.size
         self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 0)
         self._view[at:at + len(data)] = data
-        self._view[RECORD_AT:RECORD_AT + _RECORD.size] = _RECORD.pack(RECORD_MAGIC, 0, 0, 0, NO_PASS, len(data))
-        self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 1)
-        self._view[8:12] = struct.pack("<I", IN_STEP)
+        self._view[RECORD_AT:RECORD_AT + _RECORD.size] = _RECORD.pack(RECORD_MAGIC, valid, 0, 0, NO_PASS, len(data),
+                                                                     multiplier)
+
+    def read_pending(self, step: int) -> tuple[dict[str, Any], float | None] | None:
+        """With the marker committed at ``step``: a record of the step after it ([Note: pending step]), as
+        (record, multiplier), the multiplier None while PENDING; None if there is none."""
+        magic, valid, _, _, _, length, multiplier = _RECORD.unpack(
+            bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
+        if magic != RECORD_MAGIC or valid not in (PENDING, RECORDED):
+            return None
+        at = RECORD_AT + _RECORD.size
+        try:
+            record = pickle.loads(bytes(self._view[at:at + length]))
+        except Exception:  # rewritten since: valid would say 0
+            return None
+        if record["small"]["global_steps"] != step:  # an older step's (committed, or skipped on overflow)
+            return None
+        return record, (None if valid == PENDING else multiplier)
 
     def begin_speculative_step(self) -> None:
         """As an overlapped step's backward begins ([Note: speculative step]): no early copy yet, then the
         marker."""
         self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", 0)
-        self._view[RECORD_AT:RECORD_AT + _RECORD.size] = _RECORD.pack(RECORD_MAGIC, 0, 0, 0, NO_PASS, 0)
+        self._view[RECORD_AT:RECORD_AT + _RECORD.size] = _RECORD.pack(RECORD_MAGIC, 0, 0, 0, NO_PASS, 0, math.nan)
         self._view[RECORD_AT + 8:RECORD_AT + 12] = struct.pack("<I", SPECULATIVE)
         self._view[8:12] = struct.pack("<I", IN_STEP)
 
@@ -184,7 +238,7 @@ class CommitRegion:
 
     def read_rollback(self) -> list[tuple[int, int]] | None:
         """(copy, sub-group) of each whole rollback copy of a speculative step; None if the record is not one."""
-        magic, valid, _, done, _, _ = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
+        magic, valid, _, done, _, _, _ = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
         if magic != RECORD_MAGIC or valid != SPECULATIVE:
             return None
         at = RECORD_AT + _RECORD.size
@@ -200,11 +254,12 @@ class CommitRegion:
     def read_record(self) -> tuple[dict[str, Any], int, bool] | None:
         """(payload, sub-groups done, whether sub-group ``done``'s pass was running) of a step that can
         be finished; None if there is none."""
-        magic, valid, _, done, in_pass, length = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
+        magic, valid, _, done, in_pass, length, multiplier = _RECORD.unpack(
+            bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
         if magic != RECORD_MAGIC or valid != RECORDED:
             return None
         at = RECORD_AT + _RECORD.size
-        record = pickle.loads(bytes(self._view[at:at + length]))
+        record = dict(pickle.loads(bytes(self._view[at:at + length])), multiplier=multiplier)
         early = set(record.get("early", ()))
         pending = next(i for i in range(done, done + len(early) + 1) if i not in early)
         if in_pass not in (NO_PASS, pending):  # the pass running is always the first sub-group not yet stepped
@@ -273,6 +328,7 @@ def _fits(data: bytes, room: int) -> None:
 
 
 FRESH, RESUME, TORN, FINISH, ROLLBACK = "fresh", "resume", "torn", "finish", "rollback"
+PENDING_STEP = "pending"  # a RESUME with a PENDING record, as ``agree`` hears it
 
 
 def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, CommitRegion | None]:
@@ -298,31 +354,66 @@ def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, Commit
         if record is None:
             return TORN, step, payload, commit
         return FINISH, step + 1, dict(payload, step_record=record), commit
+    pending = commit.read_pending(step)
+    if pending is not None and pending[1] is not None:  # its multiplier recorded, the marker not yet moved
+        return FINISH, step + 1, dict(payload, step_record=(dict(pending[0], multiplier=pending[1]), 0, False)), commit
+    if pending is not None:  # killed about the step's all-reduce: its peers say what follows ([Note: pending step])
+        payload = dict(payload, pending=pending[0])
     return RESUME, step, payload, commit
 
 
-def agree(verdict: str, step: int, group: Any, world_size: int) -> tuple[str, str]:
+UNKNOWN = object()
+"""``step_multiplier`` of a rank that cannot say what its last step's multiplier was."""
+
+
+def step_multiplier(verdict: str, payload: dict[str, Any] | None) -> Any:
+    """The multiplier of the step a rank resumes at (None: skipped on overflow), or UNKNOWN."""
+    if verdict == FINISH:
+        return payload["step_record"][0]["multiplier"]
+    if verdict == RESUME and payload is not None:
+        return payload.get("step_multiplier", UNKNOWN)
+    return UNKNOWN
+
+
+def agree(verdict: str, step: int, group: Any, world_size: int, *, pending: bool = False,
+          multiplier: Any = UNKNOWN) -> tuple[str, str, Any]:
     """The verdict every rank acts on: resume (a rank's own FINISH: after finishing its step) only if
-    every rank reaches the same step, fresh only if every rank is fresh, torn otherwise. Returns
-    (verdict, what the ranks said)."""
+    every rank reaches the same step, fresh only if every rank is fresh, torn otherwise; a rank with a
+    ``pending`` record one step behind peers that passed its all-reduce finishes that step
+    ([Note: pending step]). ``multiplier``: this rank's ``step_multiplier``. Returns (verdict, what the
+    ranks said, the multiplier a pending rank finishes its step with)."""
     if world_size == 1:
-        return verdict, f"{verdict} at step {step}"
+        return verdict, f"{verdict} at step {step}", UNKNOWN
     import torch
     import torch.distributed as dist
 
-    codes = {FRESH: 0, RESUME: 1, TORN: 2, FINISH: 3, ROLLBACK: 4}
-    mine = torch.tensor([codes[verdict], step], dtype=torch.int64)
-    every = [torch.zeros(2, dtype=torch.int64) for _ in range(world_size)]
+    codes = {FRESH: 0, RESUME: 1, TORN: 2, FINISH: 3, ROLLBACK: 4, PENDING_STEP: 5}
+    code = codes[PENDING_STEP if pending and verdict == RESUME else verdict]
+    known = 0 if multiplier is UNKNOWN else 1 if multiplier is None else 2
+    mine = torch.tensor([code, step, known, multiplier if known == 2 else 0.0], dtype=torch.float64)
+    every = [torch.zeros(4, dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(every, mine, group=group)
     names = {v: k for k, v in codes.items()}
     said = ", ".join(f"rank {r}: {names[int(t[0])]} at step {int(t[1])}" for r, t in enumerate(every))
     kinds = {int(t[0]) for t in every}
     steps = {int(t[1]) for t in every}
     if kinds == {codes[FRESH]}:
-        return FRESH, said
-    if kinds <= {codes[RESUME], codes[FINISH], codes[ROLLBACK]} and len(steps) == 1:
-        return verdict, said  # each finishes (or undoes) its step or not, and all resume at the same one
-    return TORN, said
+        return FRESH, said, UNKNOWN
+    if not kinds <= {codes[RESUME], codes[FINISH], codes[ROLLBACK], codes[PENDING_STEP]}:
+        return TORN, said, UNKNOWN
+    if len(steps) == 1:  # each finishes (or undoes) its step or not, and all resume at the same one
+        return verdict, said, UNKNOWN  # a pending rank among them drops its record: its state is untouched
+    behind, ahead = min(steps), max(steps)
+    laggards = [t for t in every if int(t[1]) == behind]
+    leaders = [t for t in every if int(t[1]) == ahead]
+    heard = {(int(t[2]), float(t[3])) for t in leaders if int(t[2]) != 0}
+    if (ahead != behind + 1 or any(int(t[0]) != codes[PENDING_STEP] for t in laggards)
+            or any(int(t[0]) not in (codes[RESUME], codes[FINISH]) for t in leaders) or len(heard) != 1):
+        return TORN, said, UNKNOWN
+    (kind, value), = heard
+    if step == behind:  # this rank is one of the pending ones: it finishes the step its peers passed
+        return FINISH, said, (None if kind == 1 else value)
+    return verdict, said, UNKNOWN
 
 
 def daemon_lost(*, rank: int, step: int, tier: str, last_checkpoint: str | None, cause: BaseException) -> str:

@@ -9,7 +9,8 @@ the step that a restart finishes (issue 18): kill-after-sub-group (as the second
 kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), kill-in-publish (every sub-group stepped,
 the params not yet gathered), kill-after-verdict (an overlapped step's record just written: WORKDIR/faulted-rank<r>
 names its early sub-groups), kill-in-adam (inside the C pass of sub-group FAULT_SUB_GROUP: call FAULT_CALL, chunk
-FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET). WIDTH and SUB_GROUP: see ckpt_worker.
+FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET), kill-before-allreduce / kill-after-allreduce (about
+the gradient norm's all-reduce: the peers wait in it, or pass it and go on). WIDTH and SUB_GROUP: see ckpt_worker.
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
@@ -35,7 +36,8 @@ def read_losses(workdir, rank: int, steps: int) -> list[float]:
     return [out[s] for s in range(steps)]
 
 
-STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish", "kill-in-adam", "kill-after-verdict")
+STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish", "kill-in-adam", "kill-after-verdict",
+               "kill-before-allreduce", "kill-after-allreduce")
 
 
 def _die_inside_the_step(engine, fault: str) -> None:
@@ -77,6 +79,15 @@ def _die_inside_the_step(engine, fault: str) -> None:
                 f.write(" ".join(map(str, record.get("early", ()))))
             die()  # nvme: before the early blocks are marked dirty
         engine.commit.begin_recorded_step = recorded
+    elif fault in ("kill-before-allreduce", "kill-after-allreduce"):  # [Note: pending step]
+        global_sumsq = adam.global_sumsq
+
+        def reduced():
+            if fault == "kill-before-allreduce":
+                die()  # its record written all but the multiplier; the peers wait in the all-reduce
+            total = global_sumsq()
+            die()  # its peers have the same result and go on: they step, and may commit
+        adam.global_sumsq = reduced
     else:
         adam.publish = die
 

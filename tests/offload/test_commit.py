@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from offload.builder import initialize
-from offload.resume import FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session
+from offload.resume import FINISH, FRESH, RESUME, ROLLBACK, TORN, UNKNOWN, CommitRegion, agree, inspect_session
 from swap import TierStore
 from tests.offload.harness import engine_config, loss_fn, make_batches, param_groups, twin_models
 
@@ -98,15 +98,19 @@ def test_a_kill_between_begin_step_and_the_marker_reads_torn(store):
     cuts = [(f"after write {k} of {len(writes)} (offset {writes[k - 1][0]})", writes[:k]) for k in range(1, len(writes))]
     cuts += [(f"inside write {k + 1} (offset {offset})", writes[:k] + [(offset, data[:len(data) // 2])])
              for k, (offset, data) in enumerate(writes) if len(data) > 8]
+    marker = max(k for k, (offset, _) in enumerate(writes) if offset == 8)  # the commit's marker: step 5 whole
     for where, prefix in cuts:
         # torn, a step to finish from its record (issue 18), or step 4's state untouched: never a mix
         verdict = read_after(prefix)
-        assert verdict[0] in (TORN, FINISH) or verdict == whole[0], f"killed {where}: {verdict[:2]}"
+        ok = whole if len(prefix) > marker and prefix[marker] == writes[marker] else whole[:1]
+        assert verdict[0] in (TORN, FINISH) or verdict in ok, f"killed {where}: {verdict[:2]}"
     assert any(read_after(prefix)[0] != RESUME for _, prefix in cuts)
 
 
-def _agree_on_two_ranks(said: list[tuple[str, int]]) -> list[str]:
-    """``agree`` run by two ranks of a real gloo group (one thread each), each with its own verdict."""
+def _agree_on_two_ranks(said: list[tuple], full: bool = False) -> list:
+    """``agree`` run by two ranks of a real gloo group (one thread each), each with its own verdict (and,
+    as a third and fourth item, whether it has a pending record and its step multiplier). ``full``: each
+    rank's (verdict, multiplier to finish with), else its verdict."""
     out: list = [None, None]
     errors: list = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +119,10 @@ def _agree_on_two_ranks(said: list[tuple[str, int]]) -> list[str]:
         def rank(r: int) -> None:
             try:
                 group = dist.ProcessGroupGloo(dist.PrefixStore("agree", rendezvous), r, 2)
-                out[r] = agree(said[r][0], said[r][1], group, 2)[0]
+                pending, multiplier = said[r][2:4] if len(said[r]) > 2 else (False, UNKNOWN)
+                verdict, _, finish_with = agree(said[r][0], said[r][1], group, 2, pending=pending,
+                                                multiplier=multiplier)
+                out[r] = (verdict, finish_with) if full else verdict
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
@@ -197,3 +204,65 @@ def test_a_kill_while_any_sub_group_is_written_reads_torn_or_rolls_back(mode, st
     if mode == "overlap_step":
         early_steps = [name for _, name, _ in seen if name.startswith("offload-overlap")]
         assert len(early_steps) >= 5, "every step should have stepped a sub-group under backward"
+
+
+@pytest.mark.parametrize("said,expected", [
+    # rank 0 killed just after the all-reduce of step 6, before its record; rank 1 finishing step 6 or committed
+    ([(RESUME, 5, True, UNKNOWN), (FINISH, 6, False, 0.25)], [(FINISH, 0.25), (FINISH, UNKNOWN)]),
+    ([(RESUME, 5, True, UNKNOWN), (RESUME, 6, False, 0.25)], [(FINISH, 0.25), (RESUME, UNKNOWN)]),
+    ([(RESUME, 6, False, None), (RESUME, 5, True, UNKNOWN)], [(RESUME, UNKNOWN), (FINISH, None)]),  # skipped step
+    # killed before the all-reduce completed anywhere: both at the committed step, the record dropped
+    ([(RESUME, 5, True, UNKNOWN), (RESUME, 5, True, 0.5)], [(RESUME, UNKNOWN), (RESUME, UNKNOWN)]),
+    ([(RESUME, 5, True, UNKNOWN), (RESUME, 5, False, 0.5)], [(RESUME, UNKNOWN), (RESUME, UNKNOWN)]),
+    # no pending record, or a peer that cannot say the multiplier, or two steps apart: nothing to finish from
+    ([(RESUME, 5, False, UNKNOWN), (RESUME, 6, False, 0.25)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
+    ([(RESUME, 5, True, UNKNOWN), (RESUME, 6, False, UNKNOWN)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
+    ([(RESUME, 5, True, UNKNOWN), (RESUME, 7, False, 0.25)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
+    ([(RESUME, 5, True, UNKNOWN), (ROLLBACK, 6, False, UNKNOWN)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
+])
+def test_a_rank_pending_one_step_behind_finishes_with_its_peers_multiplier(said, expected):
+    """[Note: pending step] in offload.resume."""
+    assert _agree_on_two_ranks(said, full=True) == expected
+
+
+def test_a_kill_anywhere_in_a_pending_record_reads_as_the_committed_step_or_the_whole_record(store):
+    """[Note: pending step]: replay every prefix of begin_pending_step + record_multiplier (and half of each
+    long write): each reads as step 4 committed (its pending record whole, or none), or as step 5 to finish
+    with the recorded multiplier; never torn, never a record with a multiplier it does not hold."""
+    recording = RecordingStore(store)
+    region = CommitRegion(recording, existing=False)
+    old = {"at": 4, "pad": "x" * 100}
+    region.commit(4, old)
+    view = recording.views[next(iter(recording.views))]
+    before = bytes(view.view)
+    view.writes.clear()
+    pending = {"small": {"global_steps": 4, "rng": "r" * 2000}, "step_count": 4, "hypers": {0: "h"}}
+    region.begin_pending_step(pending)
+    region.record_multiplier(0.125)
+    writes = list(view.writes)
+
+    def read_after(prefix):
+        view.view[:] = before
+        for offset, data in prefix:
+            view.view[offset:offset + len(data)] = data
+        return inspect_session(store)[:3]
+
+    def reading(prefix) -> str:
+        verdict, step, payload = read_after(prefix)
+        if verdict == RESUME:
+            assert step == 4 and payload.get("pending") in (None, pending), (len(prefix), payload)
+            return "pending" if payload.get("pending") else "resume"
+        assert (verdict, step) == (FINISH, 5), (len(prefix), verdict, step)
+        assert payload["step_record"] == (dict(pending, multiplier=0.125), 0, False)
+        return "finish"
+
+    order = ["resume", "pending", "finish"]  # once the record is whole, never read as plain resume again
+    readings = [reading(writes[:k]) for k in range(len(writes) + 1)]
+    assert sorted(readings, key=order.index) == readings and set(readings) == set(order), " ".join(readings)
+    for k, (offset, data) in enumerate(writes):  # cut inside a write: as before it or after it
+        if len(data) > 8:
+            assert reading(writes[:k] + [(offset, data[:len(data) // 2])]) in readings[k:k + 2]
+    region.commit(5, old)
+    region.begin_pending_step(pending)  # an older step's (one skipped on overflow, say), committed since
+    verdict, step, payload, _ = inspect_session(store)
+    assert (verdict, step) == (RESUME, 5) and "pending" not in payload

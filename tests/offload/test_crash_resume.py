@@ -182,3 +182,24 @@ def test_rank_killed_inside_an_adam_pass_finishes_it_exactly(tmp_path, tmp_path_
     for r in range(2):
         assert _final(tmp_path, r)["resumed_step"] == 16
     _same(ref, tmp_path, ranks=2)
+
+
+@pytest.mark.parametrize("stage,device,fault,resumed", [
+    (2, "nvme", "kill-after-allreduce", 16), (3, "cpu", "kill-after-allreduce", 16),
+    (2, "nvme", "kill-before-allreduce", 15),
+])
+def test_rank_killed_about_the_norms_all_reduce_resumes_with_its_peers(tmp_path, tmp_path_factory, daemon,  # noqa: F811
+                                                                       stage, device, fault, resumed):
+    """[Note: pending step]: killed just after the gradient norm's all-reduce, before its record, rank 0
+    resumes one step behind rank 1 (which got the same result and stepped); it finishes that step with the
+    multiplier rank 1 reports. Killed before it, both resume at the committed step."""
+    ref = _reference(tmp_path_factory, stage)
+    proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage,
+                FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN" not in proc.stderr
+    finished = "one step behind its peers" in proc.stderr
+    assert finished == (fault == "kill-after-allreduce"), proc.stderr[-4000:]
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == resumed
+    _same(ref, tmp_path, ranks=2)

@@ -62,13 +62,15 @@ def _contender(name: str, base: GPT, device: str, socket: str, workdir: str, rec
 
 def _record_seconds(engine, repeats: int = 200) -> float:
     """The record's own work per step, timed alone on a live engine: the small state, its pickle into
-    the region, and one start and one done per sub-group; the engine's commit is rewritten after."""
+    the region before the all-reduce, the multiplier after it, and one start and one done per
+    sub-group; the engine's commit is rewritten after."""
     n = len(engine.layout.sub_groups)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        engine.commit.begin_recorded_step({"small": engine.small_state(), "step_count": engine.adam.step_count,
-                                           "hypers": {}, "multiplier": 1.0})
+        engine.commit.begin_pending_step({"small": engine.small_state(), "step_count": engine.adam.step_count,
+                                          "hypers": {}})
+        engine.commit.record_multiplier(1.0)
         for i in range(n):
             engine.commit.sub_group_started(i)
             engine.commit.sub_group_done(i + 1)
