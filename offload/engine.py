@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import time
@@ -32,6 +33,9 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "RankInfo"]
+
+CLOSE_WAIT_SECONDS = 60.0
+"""How long ``Engine.close`` waits for every rank to reach it before keeping its daemon session."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -472,6 +476,8 @@ class Engine:
             self.adam.undo = None
         if self.stage3 is not None:
             self.stage3.close()
+        if not keep_session and self.commit is not None and not self._every_rank_closing():
+            keep_session = True
         if keep_session and self.tier is not None:
             self.tier.close(keep_session=True)
             return
@@ -480,6 +486,21 @@ class Engine:
             self.reporter.report(self, closing=True)  # the bytes of the transfers that settled in close
         if self.tier is not None:
             self.tier.close()
+
+    def _every_rank_closing(self) -> bool:
+        """Whether every rank reached ``close`` (a barrier, gloo's, with a time limit). A rank killed after its
+        last commit, before its close, is restarted by torchrun with the others: were their sessions dropped,
+        they would start fresh beside it and the state be torn, so they keep theirs for the restart (within
+        the daemon's reattach grace) when one is missing here."""
+        if self.world_size == 1 or not dist.is_initialized() or dist.get_backend(self.ranks.group) != "gloo":
+            return True  # NCCL has no barrier with a time limit: a rank that never closes would hang the rest
+        try:
+            dist.monitored_barrier(group=self.ranks.group, timeout=datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
+            return True
+        except RuntimeError as exc:
+            logger.warning("rank %d: not every rank reached close (%s); this rank's session is kept for a restart "
+                           "within the daemon's reattach grace", self.global_rank, str(exc).splitlines()[0][:200])
+            return False
 
     def __enter__(self) -> "Engine":
         return self

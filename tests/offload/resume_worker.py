@@ -10,7 +10,8 @@ kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), k
 the params not yet gathered), kill-after-verdict (an overlapped step's record just written: WORKDIR/faulted-rank<r>
 names its early sub-groups), kill-in-adam (inside the C pass of sub-group FAULT_SUB_GROUP: call FAULT_CALL, chunk
 FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET), kill-before-allreduce / kill-after-allreduce (about
-the gradient norm's all-reduce: the peers wait in it, or pass it and go on). WIDTH and SUB_GROUP: see ckpt_worker.
+the gradient norm's all-reduce: the peers wait in it, or pass it and go on), kill-before-close (after the
+last step, before engine.close()). WIDTH and SUB_GROUP: see ckpt_worker.
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
@@ -165,6 +166,8 @@ def main() -> int:
                 "bytes_written_total": stats.bytes_written_total, "optimizer_steps": stats.optimizer_steps,
                 "skipped_steps": stats.skipped_steps, "reports": engine.reporter.reports if engine.reporter else 0},
                os.path.join(workdir, f"final-rank{rank}.pt"))
+    if fault == "kill-before-close":  # its last step committed; its peers close (and would drop their sessions)
+        os.kill(os.getpid(), signal.SIGKILL)
     engine.close()
     return 0
 

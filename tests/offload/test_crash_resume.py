@@ -203,3 +203,19 @@ def test_rank_killed_about_the_norms_all_reduce_resumes_with_its_peers(tmp_path,
     for r in range(2):
         assert _final(tmp_path, r)["resumed_step"] == resumed
     _same(ref, tmp_path, ranks=2)
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_killed_after_its_last_step_leaves_its_peers_sessions_for_the_restart(tmp_path, daemon, reference,  # noqa: F811
+                                                                                    victim):
+    """Killed after its last commit, before engine.close(): its peer does not drop its session (it would start
+    fresh beside a rank resuming at the end, torn); torchrun restarts both and both resume at the last step.
+    (Rank 0 is the barrier's coordinator: both roles are killed.)"""
+    proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path, FAULT="kill-before-close",
+                FAULT_RANK=victim)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN" not in proc.stderr
+    assert "not every rank reached close" in proc.stderr
+    for r in range(2):
+        assert _final(tmp_path, r)["resumed_step"] == 30
+    _same(reference, tmp_path, ranks=2)
