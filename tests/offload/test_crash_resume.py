@@ -20,6 +20,18 @@ from tests.offload.test_resume import _final, _run, _same, daemon, reference  # 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
 
 
+def _resumed_alike(proc, ref, workdir, step: int, *said: str) -> None:
+    """Both ranks of a run with a kill finished, none torn, said ``said``, resumed at ``step``, and ended
+    bit-equal to the uninterrupted ``ref``."""
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "TORN" not in proc.stderr
+    for text in said:
+        assert text in proc.stderr, proc.stderr[-4000:]
+    for r in range(2):
+        assert _final(workdir, r)["resumed_step"] == step
+    _same(ref, workdir, ranks=2)
+
+
 def test_rank_killed_in_its_first_forward_starts_fresh(tmp_path, daemon, reference):  # noqa: F811
     proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path,
                 FAULT="kill-forward", FAULT_STEP=0, FAULT_RANK=0)
@@ -148,12 +160,7 @@ def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_fact
     ref = _reference(tmp_path_factory, stage)
     proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage,
                 FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "TORN" not in proc.stderr
-    assert "the step it was killed in finished from its committed inputs" in proc.stderr
-    for r in range(2):
-        assert _final(tmp_path, r)["resumed_step"] == 16
-    _same(ref, tmp_path, ranks=2)
+    _resumed_alike(proc, ref, tmp_path, 16, "the step it was killed in finished from its committed inputs")
 
 
 # 188418 elements a rank: a 150000-element sub-group of 3 chunks, stepped on 2 threads. (Not with stage 3:
@@ -175,13 +182,8 @@ def test_rank_killed_inside_an_adam_pass_finishes_it_exactly(tmp_path, tmp_path_
     proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage, FAULT="kill-in-adam",
                 FAULT_STEP=15, FAULT_RANK=0, FAULT_SUB_GROUP=sg, FAULT_CALL=call, FAULT_CHUNK=chunk,
                 FAULT_OFFSET=offset, **model)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "TORN" not in proc.stderr
-    assert "restored from the undo log" in proc.stderr  # the kill landed inside the pass
-    assert "the step it was killed in finished from its committed inputs" in proc.stderr
-    for r in range(2):
-        assert _final(tmp_path, r)["resumed_step"] == 16
-    _same(ref, tmp_path, ranks=2)
+    _resumed_alike(proc, ref, tmp_path, 16, "restored from the undo log",  # the kill landed inside the pass
+                   "the step it was killed in finished from its committed inputs")
 
 
 @pytest.mark.parametrize("stage,device,fault,resumed", [
@@ -196,13 +198,8 @@ def test_rank_killed_about_the_norms_all_reduce_resumes_with_its_peers(tmp_path,
     ref = _reference(tmp_path_factory, stage)
     proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage,
                 FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "TORN" not in proc.stderr
-    finished = "one step behind its peers" in proc.stderr
-    assert finished == (fault == "kill-after-allreduce"), proc.stderr[-4000:]
-    for r in range(2):
-        assert _final(tmp_path, r)["resumed_step"] == resumed
-    _same(ref, tmp_path, ranks=2)
+    _resumed_alike(proc, ref, tmp_path, resumed)
+    assert ("one step behind its peers" in proc.stderr) == (fault == "kill-after-allreduce"), proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize("victim", [0, 1])
@@ -213,9 +210,4 @@ def test_rank_killed_after_its_last_step_leaves_its_peers_sessions_for_the_resta
     (Rank 0 is the barrier's coordinator: both roles are killed.)"""
     proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path, FAULT="kill-before-close",
                 FAULT_RANK=victim)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "TORN" not in proc.stderr
-    assert "not every rank reached close" in proc.stderr
-    for r in range(2):
-        assert _final(tmp_path, r)["resumed_step"] == 30
-    _same(reference, tmp_path, ranks=2)
+    _resumed_alike(proc, reference, tmp_path, 30, "not every rank reached close")
