@@ -373,6 +373,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                            else "")
         engine.reporter = reporter_for(tier, skipped_steps=engine.skipped_steps,
                                        resumed=verdict in (RESUME, FINISH, ROLLBACK))
+        if parts is not None:
+            parts.coordinator.park()  # [Note: parked params] in offload.zero.params
     except BaseException:
         if tier is not None:
             tier.close()

@@ -180,6 +180,8 @@ class Engine:
 
                 raise unregistered_read_error(self.module, err) from err
             raise
+        if self.stage3 is not None and not torch.is_grad_enabled():
+            self.stage3.coordinator.park()  # no backward follows ([Note: parked params] in offload.zero.params)
         self.wall_seconds["forward"] += time.perf_counter() - t0
         return out
 
@@ -193,7 +195,10 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss`` scaled by the loss scale / accumulation steps; reduces gradients as they come."""
         with self._daemon_alive():
-            return self._backward(loss)
+            out = self._backward(loss)
+        if self.stage3 is not None:
+            self.stage3.coordinator.park()
+        return out
 
     def _backward(self, loss: torch.Tensor) -> torch.Tensor:
         gas = self.gradient_accumulation_steps()
@@ -226,6 +231,8 @@ class Engine:
         and commit the small state to the daemon. After a SIGTERM, the boundary ends the process."""
         with self._daemon_alive():
             self._step()
+        if self.stage3 is not None:
+            self.stage3.coordinator.park()
 
     def _step(self) -> None:
         boundary = self.is_gradient_accumulation_boundary()

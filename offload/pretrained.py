@@ -177,6 +177,11 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike | list, *,
                     conversions: list | None = None) -> LoadReport:
     """Load the safetensors checkpoint at ``path`` into ``model`` (see the module docstring). ``conversions``:
     transformers' weight transforms for the model (from_pretrained passes its own), else the model's default."""
+    from offload.zero.params import is_partitioned
+
+    if any(is_partitioned(p) for p in model.parameters()):
+        raise ConfigError("load_pretrained: the model's parameters are partitioned already (stage 3); call it on "
+                          "the model built under offload.init_context, before offload.initialize")
     ckpt = SafetensorsCheckpoint(path)
     state = model.state_dict(keep_vars=True)
     sources = checkpoint_sources(model, {k: e.shape for k, e in ckpt.entries.items()}, state, conversions)
@@ -217,9 +222,6 @@ def load_pretrained(model: torch.nn.Module, path: str | os.PathLike | list, *,
     if any(t.is_meta for t in tensors):
         _PENDING[model] = pending
         return report
-    if any(t.untyped_storage().nbytes() == 0 and t.numel() > 0 for t in tensors):
-        raise ConfigError("load_pretrained: the model's parameters are partitioned already (stage 3); call it on "
-                          "the model built under offload.init_context, before offload.initialize")
     with torch.no_grad():
         for kind, table in (("param", params), ("buffer", buffers)):
             for name, source in table.items():

@@ -31,6 +31,16 @@ non-persistent units never exceed ``max_live_numel`` elements unless the units i
 once alone do (kept units are dropped first). A step whose order differs replaces it.
 On a GPU with the params offloaded and one rank, the units ahead are also copied into device
 memory ahead of use, through the copy streams ([Note: unit fetches] in ``offload.zero.unit_fetch``).
+
+[Note: parked params] A view of a released unit buffer has its shape but no memory, and most of
+torch's ops read it without a check (``clone``, ``sum``, ``torch.save``): the process dies of a
+segmentation fault. Inside forward and backward the engine's own reads are gathered and a stray
+read fails with "storage of size 0" (``offload.zero.external``); outside them a script may read
+anything (``model.state_dict()``, a weight's norm for its log). So when control goes back to the
+caller (after ``initialize``, ``engine.backward``, ``engine.step``, a forward without grad, a
+``gathered`` block), each parameter of a unit not gathered is parked: its ``.data`` is an empty
+tensor (0 elements, as DeepSpeed leaves a ZeRO-3 param), and the first gather after puts every
+parked one back on its view (``unpark``: in ``fetch``, so a direct call of the module works too).
 """
 from __future__ import annotations
 
@@ -38,6 +48,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -52,7 +63,17 @@ from offload.zero.units import UnitPlan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FetchStats", "ParamCoordinator", "Stage3Config"]
+__all__ = ["FetchStats", "ParamCoordinator", "Stage3Config", "is_partitioned"]
+
+_PARTITIONED: dict[int, weakref.ref] = {}
+"""Every parameter a coordinator has taken over, by id (parked ones look like any empty tensor; a tensor's
+``==`` is elementwise, so no WeakSet)."""
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a stage-3 parameter (its values in shards, gathered only around its use)."""
+    ref = _PARTITIONED.get(id(param))
+    return ref is not None and ref() is param
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,7 +139,12 @@ class ParamCoordinator:
         for full in self._full:
             full.untyped_storage().resize_(0)
         self._params = list(params)
+        for gone in [k for k, ref in _PARTITIONED.items() if ref() is None]:
+            del _PARTITIONED[gone]
+        _PARTITIONED.update((id(p), weakref.ref(p)) for p in self._params)
         self._empty = [p.data for p in self._params]  # the views of the unit buffers, for a release
+        self._nothing = torch.empty(0, dtype=shards.dtype, device=shards.device)  # [Note: parked params]
+        self._parked: list[int] = []
         # [Note: gather by alias] one rank computing on the CPU with the shards in host memory for good
         self._alias = world_size == 1 and fetcher is None and shards.device.type == "cpu" and not shards.nvme
         self._aliased = [False] * len(layout.buckets)
@@ -155,6 +181,8 @@ class ParamCoordinator:
                    if u not in self.plan.persistent and self.is_gathered(u))
 
     def _gather(self, u: int) -> None:
+        if self._parked:
+            self.unpark()  # before an alias points a unit's params at its shard
         if self._device is None:
             self._copy_in(u)
         else:
@@ -209,8 +237,25 @@ class ParamCoordinator:
     def _in_use(self, u: int) -> bool:
         return self._fwd_refs[u] > 0 or self._bwd_pending[u] > 0
 
+    def park(self) -> None:
+        """Each parameter of a unit not gathered to an empty tensor, till the next gather ([Note: parked params])."""
+        for u, b in enumerate(self.layout.buckets):
+            if not self.is_gathered(u):
+                for i in b.slots:
+                    if self._params[i].data is not self._nothing:
+                        self._params[i].data = self._nothing
+                        self._parked.append(i)
+
+    def unpark(self) -> None:
+        """Every parked parameter back on its view of its unit buffer."""
+        for i in self._parked:
+            self._params[i].data = self._empty[i]
+        self._parked = []
+
     def fetch(self, u: int) -> None:
         """Make unit ``u`` gathered (recording the order, prefetching along the last one)."""
+        if self._parked:
+            self.unpark()
         self._trace.append(u)
         self._advance(u)
         if u in self._kept:
@@ -370,6 +415,7 @@ class ParamCoordinator:
         """The units ``wanted`` gathered for the block (every rank calls it with the same units); ``free``:
         freed after it unless in use (not kept for reuse: a walk over the model, as a save)."""
         units = [u for u in wanted if u not in self.plan.persistent]
+        self.unpark()
         for u in units:
             self._fwd_refs[u] += 1
             if not self.is_gathered(u):
@@ -385,6 +431,7 @@ class ParamCoordinator:
                     self._free(u)
                 else:
                     self.release(u)
+            self.park()  # [Note: parked params]: safe at any time, every gather unparks first
 
     def stats(self) -> FetchStats:
         return FetchStats(gathers=self.gathers, peak_live_bytes=self.peak_live_bytes,
@@ -397,5 +444,7 @@ class ParamCoordinator:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.unpark()
         for u in range(len(self._full)):
             self._free(u)
+        self.park()  # the model outlives the engine: its released params stay safe to read

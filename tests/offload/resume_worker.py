@@ -12,6 +12,7 @@ names its early sub-groups), kill-in-adam (inside the C pass of sub-group FAULT_
 FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET), kill-before-allreduce / kill-after-allreduce (about
 the gradient norm's all-reduce: the peers wait in it, or pass it and go on), kill-before-close (after the
 last step, before engine.close()). WIDTH and SUB_GROUP: see ckpt_worker.
+NAN_STEP=N: rank 0's gradient is NaN at step N (the step is skipped).
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
@@ -152,7 +153,8 @@ def main() -> int:
             x, y = data[step]
             x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
             loss = torch.nn.functional.mse_loss(engine(x), y)
-            engine.backward(loss)
+            nan = step == int(os.environ.get("NAN_STEP", "-1")) and rank == 0  # a step skipped on overflow
+            engine.backward(loss * float("nan") if nan else loss)
             engine.client_state["next_step"] = step + 1
             log.write(f"{step} {loss.item()!r}\n")
             log.flush()

@@ -186,19 +186,21 @@ def test_rank_killed_inside_an_adam_pass_finishes_it_exactly(tmp_path, tmp_path_
                    "the step it was killed in finished from its committed inputs")
 
 
-@pytest.mark.parametrize("stage,device,fault,resumed", [
-    (2, "nvme", "kill-after-allreduce", 16), (3, "cpu", "kill-after-allreduce", 16),
-    (2, "nvme", "kill-before-allreduce", 15),
+@pytest.mark.parametrize("stage,device,fault,resumed,env", [
+    (2, "nvme", "kill-after-allreduce", 16, {}), (3, "cpu", "kill-after-allreduce", 16, {}),
+    (2, "nvme", "kill-before-allreduce", 15, {}), (2, "cpu", "kill-after-allreduce", 16, {"NAN_STEP": 15}),
 ])
 def test_rank_killed_about_the_norms_all_reduce_resumes_with_its_peers(tmp_path, tmp_path_factory, daemon,  # noqa: F811
-                                                                       stage, device, fault, resumed):
+                                                                       stage, device, fault, resumed, env):
     """[Note: pending step]: killed just after the gradient norm's all-reduce, before its record, rank 0
-    resumes one step behind rank 1 (which got the same result and stepped); it finishes that step with the
-    multiplier rank 1 reports. Killed before it, both resume at the committed step."""
-    ref = _reference(tmp_path_factory, stage)
+    resumes one step behind rank 1 (which got the same result and stepped, or skipped it: NAN_STEP); it
+    finishes that step with the multiplier rank 1 reports. Killed before it, both resume at the committed step."""
+    ref = _reference(tmp_path_factory, stage, **env)
     proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage,
-                FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
+                FAULT=fault, FAULT_STEP=15, FAULT_RANK=0, **env)
     _resumed_alike(proc, ref, tmp_path, resumed)
+    for r in range(2):
+        assert _final(tmp_path, r)["skipped_steps"] == _final(ref, r)["skipped_steps"] == len(env)
     assert ("one step behind its peers" in proc.stderr) == (fault == "kill-after-allreduce"), proc.stderr[-4000:]
 
 

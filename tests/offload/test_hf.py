@@ -31,7 +31,7 @@ def test_init_context_gives_the_plain_build_weights_never_held_whole(tmp_path, k
         assert got.keys() == want.keys()
         for key, value in want.items():
             assert torch.equal(got[key], value), key
-        total = 4 * sum(p.numel() for p in net.parameters())
+        total = 4 * sum(p.numel() for p in ref.parameters())  # (net's released params are empty here)
         assert 0 < engine.stage3.materialize_peak_bytes < total
     finally:
         engine.close()
