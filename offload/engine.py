@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
 import math
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from csrc import ConfigError, DaemonNotRunningError
 from offload.engine_stats import EngineStats
 from offload.host_heap import HeapTrimmer
+from offload.rank_barrier import CLOSE_WAIT_SECONDS, every_rank_reached
 from offload.precision import LossScaler, clip_coefficient
 from offload.resume import UNKNOWN, CommitRegion, daemon_lost
 from offload.rng import rng_state, set_rng_state
@@ -33,9 +33,6 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "RankInfo"]
-
-CLOSE_WAIT_SECONDS = 60.0
-"""How long ``Engine.close`` waits for every rank to reach it before keeping its daemon session."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -483,8 +480,9 @@ class Engine:
             self.adam.undo = None
         if self.stage3 is not None:
             self.stage3.close()
-        if not keep_session and self.commit is not None and not self._every_rank_closing():
-            keep_session = True
+        if not keep_session and self.commit is not None and not every_rank_reached(
+                "close", self.ranks.group, self.world_size, rank=self.global_rank, timeout_seconds=CLOSE_WAIT_SECONDS):
+            keep_session = True  # a rank killed before its close: the others keep their sessions for the restart
         if keep_session and self.tier is not None:
             self.tier.close(keep_session=True)
             return
@@ -493,21 +491,6 @@ class Engine:
             self.reporter.report(self, closing=True)  # the bytes of the transfers that settled in close
         if self.tier is not None:
             self.tier.close()
-
-    def _every_rank_closing(self) -> bool:
-        """Whether every rank reached ``close`` (a barrier, gloo's, with a time limit). A rank killed after its
-        last commit, before its close, is restarted by torchrun with the others: were their sessions dropped,
-        they would start fresh beside it and the state be torn, so they keep theirs for the restart (within
-        the daemon's reattach grace) when one is missing here."""
-        if self.world_size == 1 or not dist.is_initialized() or dist.get_backend(self.ranks.group) != "gloo":
-            return True  # NCCL has no barrier with a time limit: a rank that never closes would hang the rest
-        try:
-            dist.monitored_barrier(group=self.ranks.group, timeout=datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
-            return True
-        except RuntimeError as exc:
-            logger.warning("rank %d: not every rank reached close (%s); this rank's session is kept for a restart "
-                           "within the daemon's reattach grace", self.global_rank, str(exc).splitlines()[0][:200])
-            return False
 
     def __enter__(self) -> "Engine":
         return self
