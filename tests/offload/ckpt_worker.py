@@ -5,6 +5,7 @@ usage: ckpt_worker.py MODE DEVICE WORKDIR STEPS_FROM STEPS_TO
   MODE "resume": load WORKDIR/ckpt first, then train [from, to).
 Writes WORKDIR/<mode>-rank<r>.pt: the losses and the final params.
 """
+import contextlib
 import os
 import sys
 
@@ -40,6 +41,12 @@ def config(device: str, workdir: str, stage: int) -> dict:
                                   "reduce_bucket_size": 500}}
 
 
+def final_params(engine, net) -> list[torch.Tensor]:
+    """The model's params as values (stage 3: gathered; a released one is empty outside forward)."""
+    with engine.stage3.coordinator.gathered() if engine.stage3 is not None else contextlib.nullcontext():
+        return [p.detach().clone() for p in net.parameters()]
+
+
 def main() -> None:
     mode, device, workdir, start, stop = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     stage = int(os.environ.get("STAGE", "2"))
@@ -59,7 +66,7 @@ def main() -> None:
         losses.append(loss.item())
     if os.environ.get("SAVE"):
         engine.save_checkpoint(os.path.join(workdir, "ckpt"), client_state={"next_step": stop})
-    torch.save({"losses": losses, "params": [p.detach().clone() for p in net.parameters()],
+    torch.save({"losses": losses, "params": final_params(engine, net),
                 "lr": engine.get_lr(), "steps": engine.global_steps},
                os.path.join(workdir, f"{mode}-rank{rank}.pt"))
     engine.close()

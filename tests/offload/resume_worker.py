@@ -26,6 +26,7 @@ import torch
 
 from offload import StateTornError, initialize
 from tests.offload import ckpt_worker
+from tests.offload.ckpt_worker import final_params
 
 
 def read_losses(workdir, rank: int, steps: int) -> list[float]:
@@ -163,7 +164,7 @@ def main() -> int:
                 engine.save_checkpoint(ckpt_dir)
     engine.adam.storage.drain()  # the last step's evicts: nothing moves after this (close reports it too)
     stats = engine.offload_stats()
-    torch.save({"params": [p.detach().clone() for p in net.parameters()], "resumed_step": engine.resumed_step,
+    torch.save({"params": final_params(engine, net), "resumed_step": engine.resumed_step,
                 "global_steps": engine.global_steps, "bytes_read_total": stats.bytes_read_total,
                 "bytes_written_total": stats.bytes_written_total, "optimizer_steps": stats.optimizer_steps,
                 "skipped_steps": stats.skipped_steps, "reports": engine.reporter.reports if engine.reporter else 0},

@@ -56,7 +56,7 @@ def _same(a_dir, b_dir, ranks=1):
     for r in range(ranks):
         assert _losses(a_dir, r) == _losses(b_dir, r)
         for p, q in zip(_final(a_dir, r)["params"], _final(b_dir, r)["params"]):
-            assert torch.equal(p, q)
+            assert p.numel() > 0 and torch.equal(p, q)  # (a stage-3 worker gathers them to save them)
 
 
 @pytest.fixture(scope="module")
