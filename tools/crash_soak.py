@@ -6,8 +6,9 @@ Issue 18's acceptance run, reproducible here: a real daemon (``offload daemon``)
 line, ``--span`` seconds at most), once per run. Each run passes when torchrun exits 0, no rank reads
 a torn state, and both ranks' losses and final params equal the uninterrupted run's bit for bit
 (two ranks on embedded stores, run once first; a second uninterrupted run through the daemon must
-equal it too, and times the training: --span defaults to half of it, as runs after it step faster). Prints one line per run (where the kill landed:
-the step each rank resumed at, or none when it came after the end) and the count that failed.
+equal it too, and times the training: --span defaults to half of it, as runs after it step faster).
+Prints one line per run (where the kill landed: the step each rank resumed at, or none when it came
+after the end) and the count that failed.
 
 Usage: python tools/crash_soak.py [--runs 20] [--stage 2] [--device nvme] [--width 60000]
        [--sub-group 200000] [--span S] [--seed 1]
