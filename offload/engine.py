@@ -77,7 +77,7 @@ class Engine:
         self.step_seconds = 0.0
         self.last_grad_norm: float | None = None
         self._multiplier: float | None = None  # set by step() for the optimizer's step() to apply
-        self._pending: tuple[dict[str, Any], Any] | None = None  # the plain recorded step's (small state, plan)
+        self._pending_plan: Any = None  # the plain recorded step's StepPlan, its record written ([Note: pending step])
         self.step_multiplier: Any = UNKNOWN  # the last step's multiplier (None: skipped): [Note: pending step]
         self.wall_seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # wall_clock_breakdown
         self.client_state: dict[str, Any] = {}
@@ -256,13 +256,13 @@ class Engine:
             self.delayed.publish()  # the step started at the last boundary ([Note: delayed update])
         denom = self.scaler.scale * self.world_size
         if self._records_plain_step():  # all but the multiplier, before the all-reduce ([Note: pending step])
-            self._pending = (self.small_state(), self.adam.prepare_step(count=False))
-            self.commit.begin_pending_step({"small": self._pending[0], "step_count": self._pending[1].step_count,
-                                            "hypers": self._pending[1].hypers})
+            plan = self._pending_plan = self.adam.prepare_step(count=False)
+            self.commit.begin_pending_step({"small": self.small_state(), "step_count": plan.step_count,
+                                            "hypers": plan.hypers})
         sumsq = self.adam.global_sumsq()
         overflow = not math.isfinite(sumsq)
         if overflow:
-            self._pending = None
+            self._pending_plan = None
             self.step_multiplier = None
             self.last_grad_norm = float("inf")
             if self.overlap is not None:
@@ -322,10 +322,9 @@ class Engine:
                                                      "early": list(early)})
             self.overlap.step(multiplier, record=record, progress=self.commit if recorded else None)
         elif recorded:
-            pending, self._pending = self._pending, None
-            if pending is None:
+            plan, self._pending_plan = self._pending_plan, None
+            if plan is None:
                 raise RuntimeError("the plain recorded step's record was not written before its all-reduce")
-            plan = pending[1]
             self.adam.step_count += 1  # what prepare_step counts
             self.commit.record_multiplier(multiplier)
             self.adam.step_states(multiplier, plan, progress=self.commit)

@@ -144,7 +144,7 @@ class ParamCoordinator:
         _PARTITIONED.update((id(p), weakref.ref(p)) for p in self._params)
         self._empty = [p.data for p in self._params]  # the views of the unit buffers, for a release
         self._nothing = torch.empty(0, dtype=shards.dtype, device=shards.device)  # [Note: parked params]
-        self._parked: list[int] = []
+        self._parked: set[int] = set()  # units whose params point at ``_nothing``
         # [Note: gather by alias] one rank computing on the CPU with the shards in host memory for good
         self._alias = world_size == 1 and fetcher is None and shards.device.type == "cpu" and not shards.nvme
         self._aliased = [False] * len(layout.buckets)
@@ -240,17 +240,17 @@ class ParamCoordinator:
     def park(self) -> None:
         """Each parameter of a unit not gathered to an empty tensor, till the next gather ([Note: parked params])."""
         for u, b in enumerate(self.layout.buckets):
-            if not self.is_gathered(u):
+            if u not in self._parked and not self.is_gathered(u):
                 for i in b.slots:
-                    if self._params[i].data is not self._nothing:
-                        self._params[i].data = self._nothing
-                        self._parked.append(i)
+                    self._params[i].data = self._nothing
+                self._parked.add(u)
 
     def unpark(self) -> None:
         """Every parked parameter back on its view of its unit buffer."""
-        for i in self._parked:
-            self._params[i].data = self._empty[i]
-        self._parked = []
+        for u in self._parked:
+            for i in self.layout.buckets[u].slots:
+                self._params[i].data = self._empty[i]
+        self._parked.clear()
 
     def fetch(self, u: int) -> None:
         """Make unit ``u`` gathered (recording the order, prefetching along the last one)."""
