@@ -312,8 +312,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             storage.keep_written(payload["step_record"][0].get("early", ()))
         if verdict in (RESUME, FINISH, ROLLBACK):
             storage.adopt()
-            if verdict == ROLLBACK:
+            if "rollback" in payload:  # undone; a FINISH then finishes it whole ([Note: pending step] in offload.resume)
                 roll_back(tier.store, storage, payload["rollback"])
+                if verdict == FINISH and payload["step_record"][0]["multiplier"] is not None:
+                    commit.begin_recorded_step(payload["step_record"][0])  # a kill while finishing finishes it
         else:
             storage.allocate(parts.fill_master if parts else lambda sg, master: _fill_master(layout, sg, master, masters))
             if parts is not None:
@@ -443,7 +445,7 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
                                           multiplier=step_multiplier(verdict, payload))
         if pending and verdict == FINISH:  # its peers passed the all-reduce ([Note: pending step] in offload.resume)
             payload = dict(payload, step_record=(dict(payload["pending"], multiplier=multiplier), 0, False))
-            if multiplier is not None:
+            if multiplier is not None and "rollback" not in payload:  # (an overlapped step's: once rolled back)
                 commit.record_multiplier(multiplier)  # an ordinary record now: a kill while finishing finishes it
             logger.warning("rank %d: killed just after its step's all-reduce, one step behind its peers (%s): "
                            "finishing that step from its record", ranks.rank, said)

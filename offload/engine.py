@@ -255,10 +255,14 @@ class Engine:
         if self.delayed is not None:
             self.delayed.publish()  # the step started at the last boundary ([Note: delayed update])
         denom = self.scaler.scale * self.world_size
-        if self._records_plain_step():  # all but the multiplier, before the all-reduce ([Note: pending step])
-            plan = self._pending_plan = self.adam.prepare_step(count=False)
-            self.commit.begin_pending_step({"small": self.small_state(), "step_count": plan.step_count,
-                                            "hypers": plan.hypers})
+        if self.commit is not None and self.record_steps and self.delayed is None:  # [Note: pending step]
+            plan = self.adam.prepare_step(count=False)  # all but the multiplier, before the all-reduce
+            inputs = {"small": self.small_state(), "step_count": plan.step_count, "hypers": plan.hypers}
+            if self.overlap is None:
+                self._pending_plan = plan
+                self.commit.begin_pending_step(inputs)
+            else:  # beside the speculative record's rollback copies
+                self.commit.speculative_pending(inputs)
         sumsq = self.adam.global_sumsq()
         overflow = not math.isfinite(sumsq)
         if overflow:
@@ -331,10 +335,6 @@ class Engine:
             self.adam.publish()
         else:
             self.adam.step(multiplier)
-
-    def _records_plain_step(self) -> bool:
-        """Whether the step is recorded and neither overlapped nor delayed (those record their own way)."""
-        return self.commit is not None and self.record_steps and self.delayed is None and self.overlap is None
 
     def finish_step(self, record: dict[str, Any], done: int, in_pass: bool = False) -> None:
         """A restarted rank finishes the step its predecessor was killed in, from the step record

@@ -82,6 +82,10 @@ dropped and all resume there; where the peers are one step on (finishing it, or 
 gradients had all landed (it had entered the all-reduce), so it finishes that step from its own record
 with the multiplier a peer reports (from its record, or the ``step_multiplier`` of its last commit;
 None: the step was skipped on overflow), bit-equal to a run never killed.
+The overlapped step's record is a speculative one from its backward on, and its all-reduce comes
+after: so once its gradients have all landed (at ``engine.step()``), it writes the same inputs beside
+the rollback copies' slots (``speculative_pending``). A restart that finds them one step behind peers
+that passed restores the early sub-groups first (ROLLBACK) and then finishes the whole step the same way.
 
 A region whose step is still -1 was never committed (the trainer died before its first step
 finished: in its first forward, say). Its session holds nothing a restart needs, so it is a
@@ -116,6 +120,9 @@ _MULTIPLIER_AT = RECORD_AT + 40
 NO_PASS = -1
 RECORDED, SPECULATIVE, PENDING = 1, 2, 3
 ROLLBACK_NAME = "engine.rollback.{}"
+MAX_EARLY = 4096
+"""Rollback copies a speculative record names (an int64 slot each); its pending inputs follow them."""
+_SPECULATIVE_PENDING_AT = RECORD_AT + _RECORD.size + 8 * MAX_EARLY
 
 
 class CommitRegion:
@@ -229,12 +236,31 @@ class CommitRegion:
 
     def early_copied(self, k: int, sg: int) -> None:
         """Rollback copy ``k`` (region ROLLBACK_NAME) holds sub-group ``sg``'s state from before the step."""
+        if k >= MAX_EARLY:
+            raise ConfigError(f"rollback copy {k}: the commit region records at most {MAX_EARLY} early sub-groups")
         at = RECORD_AT + _RECORD.size + 8 * k
-        if at + 8 > COMMIT_BYTES:
-            raise ConfigError(f"rollback copy {k}: the commit region records at most "
-                              f"{(COMMIT_BYTES - RECORD_AT - _RECORD.size) // 8} early sub-groups")
         self._view[at:at + 8] = struct.pack("<q", sg)
         self._view[RECORD_AT + 16:RECORD_AT + 24] = struct.pack("<q", k + 1)
+
+    def speculative_pending(self, record: dict[str, Any]) -> None:
+        """An overlapped step's backward is over and its gradients all landed: before the all-reduce that
+        fixes its multiplier, what it consumes but the multiplier, beside the rollback copies' slots, then
+        its length ([Note: pending step]). Nothing if the record is not a speculative one."""
+        magic, valid = struct.unpack("<8sI", bytes(self._view[RECORD_AT:RECORD_AT + 12]))
+        if magic != RECORD_MAGIC or valid != SPECULATIVE:
+            return
+        data = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+        _fits(data, COMMIT_BYTES - _SPECULATIVE_PENDING_AT)
+        self._view[_SPECULATIVE_PENDING_AT:_SPECULATIVE_PENDING_AT + len(data)] = data
+        self._view[RECORD_AT + 32:RECORD_AT + 40] = struct.pack("<q", len(data))
+
+    def read_speculative_pending(self, step: int) -> dict[str, Any] | None:
+        """A speculative record's pending inputs of the step after ``step``; None if there are none."""
+        magic, valid, _, _, _, length, _ = _RECORD.unpack(bytes(self._view[RECORD_AT:RECORD_AT + _RECORD.size]))
+        if magic != RECORD_MAGIC or valid != SPECULATIVE or length <= 0:
+            return None
+        record = pickle.loads(bytes(self._view[_SPECULATIVE_PENDING_AT:_SPECULATIVE_PENDING_AT + length]))
+        return record if record["small"]["global_steps"] == step else None
 
     def read_rollback(self) -> list[tuple[int, int]] | None:
         """(copy, sub-group) of each whole rollback copy of a speculative step; None if the record is not one."""
@@ -317,8 +343,9 @@ def roll_back(store: Any, storage: Any, copies: list[tuple[int, int]]) -> None:
         state = storage.state(sg)
         state.view(torch.uint8).copy_(torch.frombuffer(store.host_view(ROLLBACK_NAME.format(k)), dtype=torch.uint8,
                                                        count=state.numel() * state.element_size()))
-    logger.info("restored %d sub-group(s) stepped under the killed step's backward from their rollback copies",
-                len(copies))
+    if copies:
+        logger.warning("restored %d sub-group(s) stepped under the killed step's backward from their rollback copies",
+                       len(copies))
 
 
 def _fits(data: bytes, room: int) -> None:
@@ -347,7 +374,11 @@ def inspect_session(store: Any) -> tuple[str, int, dict[str, Any] | None, Commit
     if marker != COMMITTED:
         copies = commit.read_rollback() if payload is not None else None
         if copies is not None:  # an overlapped step killed before its verdict: undone ([Note: speculative step])
-            return ROLLBACK, step, dict(payload, rollback=copies), commit
+            payload = dict(payload, rollback=copies)
+            pending = commit.read_speculative_pending(step)
+            if pending is not None:  # killed about its all-reduce: its peers say what follows ([Note: pending step])
+                payload["pending"] = pending
+            return ROLLBACK, step, payload, commit
         record = commit.read_record() if payload is not None else None
         if record is not None and record[2] and not undo_exists(store):
             record = None  # cut inside a pass by a version without the undo log
@@ -370,7 +401,7 @@ def step_multiplier(verdict: str, payload: dict[str, Any] | None) -> Any:
     """The multiplier of the step a rank resumes at (None: skipped on overflow), or UNKNOWN."""
     if verdict == FINISH:
         return payload["step_record"][0]["multiplier"]
-    if verdict == RESUME and payload is not None:
+    if verdict in (RESUME, ROLLBACK) and payload is not None:  # the committed step's
         return payload.get("step_multiplier", UNKNOWN)
     return UNKNOWN
 
@@ -388,7 +419,7 @@ def agree(verdict: str, step: int, group: Any, world_size: int, *, pending: bool
     import torch.distributed as dist
 
     codes = {FRESH: 0, RESUME: 1, TORN: 2, FINISH: 3, ROLLBACK: 4, PENDING_STEP: 5}
-    code = codes[PENDING_STEP if pending and verdict == RESUME else verdict]
+    code = codes[PENDING_STEP if pending and verdict in (RESUME, ROLLBACK) else verdict]
     known = 0 if multiplier is UNKNOWN else 1 if multiplier is None else 2
     mine = torch.tensor([code, step, known, multiplier if known == 2 else 0.0], dtype=torch.float64)
     every = [torch.zeros(4, dtype=torch.float64) for _ in range(world_size)]
@@ -408,7 +439,8 @@ def agree(verdict: str, step: int, group: Any, world_size: int, *, pending: bool
     leaders = [t for t in every if int(t[1]) == ahead]
     heard = {(int(t[2]), float(t[3])) for t in leaders if int(t[2]) != 0}
     if (ahead != behind + 1 or any(int(t[0]) != codes[PENDING_STEP] for t in laggards)
-            or any(int(t[0]) not in (codes[RESUME], codes[FINISH]) for t in leaders) or len(heard) != 1):
+            or any(int(t[0]) not in (codes[RESUME], codes[FINISH], codes[ROLLBACK]) for t in leaders)
+            or len(heard) != 1):
         return TORN, said, UNKNOWN
     (kind, value), = heard
     if step == behind:  # this rank is one of the pending ones: it finishes the step its peers passed

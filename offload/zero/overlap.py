@@ -72,7 +72,7 @@ import torch
 
 from csrc import ConfigError, QuotaExceededError, TierFullError
 from offload.precision import clip_coefficient
-from offload.resume import ROLLBACK_NAME
+from offload.resume import MAX_EARLY, ROLLBACK_NAME
 from offload.zero.layout import Bucket
 from offload.zero.optimizer import PartitionedAdam, StepPlan
 from offload.zero.states import F32
@@ -211,6 +211,8 @@ class OverlappedStep:
             return
         if not storage.nvme and self.max_copies is not None and len(self._eager) >= self.max_copies:
             return
+        if self.commit is not None and not storage.nvme and len(self._eager) >= MAX_EARLY:
+            return  # the copies the step record can name
         if not storage.nvme and not self._have_copy(len(self._eager)):
             return
         self._futures.append(self._pool.submit(self._step_early, sg, len(self._eager)))

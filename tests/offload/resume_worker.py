@@ -12,7 +12,9 @@ names its early sub-groups), kill-in-adam (inside the C pass of sub-group FAULT_
 FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET), kill-before-allreduce / kill-after-allreduce (about
 the gradient norm's all-reduce: the peers wait in it, or pass it and go on), kill-before-close (after the
 last step, before engine.close()). WIDTH and SUB_GROUP: see ckpt_worker.
-NAN_STEP=N: rank 0's gradient is NaN at step N (the step is skipped).
+NAN_STEP=N: rank 0's gradient is NaN at step N (the step is skipped). SLOW_BACKWARD=S: backward waits S seconds
+before the first layer's gradients (the later layers' reductions finish meanwhile: an overlapped step steps
+their sub-groups early, with two ranks too).
 Each rank appends "step loss" lines to WORKDIR/losses-rank<r>.txt and writes WORKDIR/final-rank<r>.pt
 (its params, the step it resumed at, and what offload_stats() returned at the end).
 """
@@ -105,6 +107,9 @@ def main() -> int:
         config.setdefault("offload", {})["overlap_step"] = True
         config["gradient_clipping"] = 0.0  # this model's norms clip: no sub-group would be stepped early
     net = ckpt_worker.model()
+    slow = float(os.environ.get("SLOW_BACKWARD", "0"))
+    if slow:
+        net[0].register_full_backward_pre_hook(lambda module, grad_output: time.sleep(slow))
     try:
         engine, _, _, _ = initialize(model=net, config=config)
     except StateTornError as exc:

@@ -219,6 +219,12 @@ def test_a_kill_while_any_sub_group_is_written_reads_torn_or_rolls_back(mode, st
     ([(RESUME, 5, True, UNKNOWN), (RESUME, 6, False, UNKNOWN)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
     ([(RESUME, 5, True, UNKNOWN), (RESUME, 7, False, 0.25)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
     ([(RESUME, 5, True, UNKNOWN), (ROLLBACK, 6, False, UNKNOWN)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
+    # an overlapped step's speculative record with its inputs (ROLLBACK, pending): undone, then finished whole
+    # where the peer passed (committed, and in its next step's backward: a ROLLBACK at the step after)
+    ([(ROLLBACK, 5, True, UNKNOWN), (ROLLBACK, 6, False, 0.25)], [(FINISH, 0.25), (ROLLBACK, UNKNOWN)]),
+    ([(ROLLBACK, 5, True, UNKNOWN), (RESUME, 6, False, None)], [(FINISH, None), (RESUME, UNKNOWN)]),
+    ([(ROLLBACK, 5, True, UNKNOWN), (ROLLBACK, 5, True, UNKNOWN)], [(ROLLBACK, UNKNOWN), (ROLLBACK, UNKNOWN)]),
+    ([(ROLLBACK, 5, False, UNKNOWN), (RESUME, 6, False, 0.25)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
 ])
 def test_a_rank_pending_one_step_behind_finishes_with_its_peers_multiplier(said, expected):
     """[Note: pending step] in offload.resume."""

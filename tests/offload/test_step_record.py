@@ -78,13 +78,22 @@ def test_an_overlapped_step_rolls_back_under_backward_and_finishes_after_its_ver
     region.early_copied(1, 5)
     verdict, step, payload = _verdict(store)
     assert (verdict, step, payload["rollback"]) == (ROLLBACK, 4, [(0, 3), (1, 5)])
+    assert "pending" not in payload
+    pending = {"small": {"global_steps": 4}, "step_count": 4, "hypers": {0: "h"}}
+    region.speculative_pending(pending)  # backward over, before the all-reduce ([Note: pending step])
+    verdict, step, payload = _verdict(store)
+    assert (verdict, step, payload["rollback"], payload["pending"]) == (ROLLBACK, 4, [(0, 3), (1, 5)], pending)
     region.begin_speculative_step()  # the next step's backward: the last one's copies are not its own
-    assert _verdict(store)[2]["rollback"] == []
+    assert _verdict(store)[2]["rollback"] == [] and "pending" not in _verdict(store)[2]
+    region.speculative_pending(dict(pending, small={"global_steps": 3}))  # not the step after the committed one
+    assert "pending" not in _verdict(store)[2]
 
     early = dict(RECORD, early=[0, 2])
     region.begin_recorded_step(early)  # the verdict held: the early sub-groups are done
     verdict, step, payload = _verdict(store)
     assert (verdict, step) == (FINISH, 5) and payload["step_record"] == (early, 0, False)
+    region.speculative_pending(pending)  # only a speculative record takes them
+    assert _verdict(store)[2]["step_record"] == (early, 0, False)
     store.allocate(UNDO_NAME, 64)
     region.sub_group_started(1)  # the first sub-group not stepped early: finished from the undo log
     assert _verdict(store)[2]["step_record"] == (early, 0, True)
