@@ -352,9 +352,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             engine.commit = commit or CommitRegion(tier.store, existing=False)
             if engine.overlap is not None:
                 engine.overlap.commit = engine.commit
-            if cfg.offload.state_dtype == "fp32":  # compressed states' passes have no undo log: cut inside one is torn
-                adam.undo = open_undo(tier.store, existing=verdict in (RESUME, FINISH, ROLLBACK) and undo_exists(tier.store),
-                                      slots=undo_slots(), max_elems=max(sg.numel for sg in layout.sub_groups))
+            adam.undo = open_undo(tier.store, existing=verdict in (RESUME, FINISH, ROLLBACK) and undo_exists(tier.store),
+                                  slots=undo_slots(), max_elems=max(sg.numel for sg in layout.sub_groups),
+                                  block_bytes=None if storage.format.fp32 else max(
+                                      storage.format.state_bytes(sg) for sg in layout.sub_groups))
             _stop_on_sigterm(engine)
         if verdict == FINISH:  # [Note: restartable step] in offload.resume
             engine.finish_step(*payload["step_record"])

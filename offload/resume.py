@@ -297,11 +297,16 @@ class CommitRegion:
 
 
 def undo_exists(store: Any) -> bool:
-    try:
-        store.info(UNDO_NAME)
-    except ConfigError:
-        return False
-    return True
+    """Whether the session holds an undo log, or the undo copy of compressed states ([Note: block undo])."""
+    from offload.zero.block_undo import BLOCK_UNDO_NAME
+
+    for name in (UNDO_NAME, BLOCK_UNDO_NAME):
+        try:
+            store.info(name)
+        except ConfigError:
+            continue
+        return True
+    return False
 
 
 def undo_slots() -> int:
@@ -313,8 +318,16 @@ def undo_slots() -> int:
 
 def session_fixed_bytes(plan: Any) -> int:
     """What a daemon session holds besides the optimizer state: the commit region and the undo log
-    (for sub-groups of the plan's largest gradient region), page-aligned."""
-    return fixed_bytes_for(max(plan.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
+    (for sub-groups of the plan's largest gradient region), page-aligned; with compressed states
+    (blocks under 12 bytes per element) the undo copy of the largest block too ([Note: block undo])."""
+    from offload.zero.block_undo import block_undo_bytes
+
+    fixed = fixed_bytes_for(max(plan.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
+    states = plan.state_bytes
+    grads = plan.region_bytes[:len(plan.region_bytes) - len(states)]
+    if any(s < 3 * g for g, s in zip(grads, states)):
+        fixed += -(-block_undo_bytes(max(states)) // 4096) * 4096
+    return fixed
 
 
 def fixed_bytes_for(max_elems: int) -> int:
@@ -325,11 +338,16 @@ def fixed_bytes_for(max_elems: int) -> int:
     return COMMIT_BYTES + -(-undo_bytes(undo_slots(), max_elems) // page) * page
 
 
-def open_undo(store: Any, *, existing: bool, slots: int, max_elems: int):
+def open_undo(store: Any, *, existing: bool, slots: int, max_elems: int, block_bytes: int | None = None):
     """The session's undo log ([Note: restartable step]): made for ``slots`` threads and sub-groups of up
-    to ``max_elems`` elements, or the one a previous process of the session left."""
+    to ``max_elems`` elements, or the one a previous process of the session left. ``block_bytes``: the
+    states are compressed, in blocks of up to that many bytes: their undo copy ([Note: block undo])."""
     from cpu_adam.undo import UndoLog, undo_bytes
 
+    if block_bytes is not None:
+        from offload.zero.block_undo import open_block_undo
+
+        return open_block_undo(store, existing=existing, max_block_bytes=block_bytes)
     if not existing:
         store.allocate(UNDO_NAME, undo_bytes(slots, max_elems))
     return UndoLog(store.host_view(UNDO_NAME), fresh=not existing, slots=slots, max_elems=max_elems)

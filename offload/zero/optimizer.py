@@ -97,7 +97,8 @@ class PartitionedAdam:
         self.step_count = 0
         self.sumsq = 0.0
         self.undo: Any = None
-        """``cpu_adam.undo.UndoLog`` (with the daemon): recorded steps log their passes in it."""
+        """``cpu_adam.undo.UndoLog`` (with the daemon; ``offload.zero.block_undo.BlockUndo`` for compressed
+        states): recorded steps log their passes in it."""
         self.landed: Callable[[Bucket], None] | None = None
         """Told of each bucket landed at a cycle's last micro-step (``offload.zero.overlap``)."""
         self._on_host = storage.tier is not None or storage.device.type == "cpu"
@@ -274,10 +275,15 @@ class PartitionedAdam:
 
     def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float, plan: StepPlan,
                         logged: bool | None = None) -> None:
-        """``logged``: None, or the pass goes through the undo log, resuming a cut one if True (fp32 states
-        only: compressed states have no undo log, so ``undo`` stays None for them)."""
+        """``logged``: None, or the pass goes through the undo log, resuming a cut one if True (compressed
+        states: through the undo copy of the block, [Note: block undo] in offload.zero.block_undo)."""
         grad = plan.grads[sg.index]
         if not self.storage.format.fp32:
+            if logged and self.undo.restore(sg.index, state):
+                logger.warning("rank %d: sub-group %d's state block, which a killed Adam pass left half written, "
+                               "restored from its undo copy", self.layout.rank, sg.index)
+            elif logged is not None:
+                self.undo.save(sg.index, state)
             self._step_compressed(sg, state, grad, mult, plan)
             return
         n = sg.numel

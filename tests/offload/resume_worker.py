@@ -10,8 +10,10 @@ kill-in-evict (the first sub-group stepped, its write-back just queued: nvme), k
 the params not yet gathered), kill-after-verdict (an overlapped step's record just written: WORKDIR/faulted-rank<r>
 names its early sub-groups), kill-in-adam (inside the C pass of sub-group FAULT_SUB_GROUP: call FAULT_CALL, chunk
 FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET), kill-before-allreduce / kill-after-allreduce (about
-the gradient norm's all-reduce: the peers wait in it, or pass it and go on), kill-before-close (after the
-last step, before engine.close()). WIDTH and SUB_GROUP: see ckpt_worker.
+the gradient norm's all-reduce: the peers wait in it, or pass it and go on), kill-in-compressed-pass (sub-group
+FAULT_SUB_GROUP's compressed state written, its pass not said done), kill-in-block-copy (halfway through the undo
+copy of sub-group FAULT_SUB_GROUP's block; -1: the last), kill-before-close (after the last step, before
+engine.close()). WIDTH and SUB_GROUP: see ckpt_worker. STATE_DTYPE: offload.state_dtype (bf16, int8).
 NAN_STEP=N: rank 0's gradient is NaN at step N (the step is skipped). SLOW_BACKWARD=S: backward waits S seconds
 before the first layer's gradients (the later layers' reductions finish meanwhile: an overlapped step steps
 their sub-groups early, with two ranks too).
@@ -42,7 +44,7 @@ def read_losses(workdir, rank: int, steps: int) -> list[float]:
 
 
 STEP_FAULTS = ("kill-after-sub-group", "kill-in-evict", "kill-in-publish", "kill-in-adam", "kill-after-verdict",
-               "kill-before-allreduce", "kill-after-allreduce")
+               "kill-before-allreduce", "kill-after-allreduce", "kill-in-compressed-pass", "kill-in-block-copy")
 
 
 def _die_inside_the_step(engine, fault: str) -> None:
@@ -74,6 +76,27 @@ def _die_inside_the_step(engine, fault: str) -> None:
                                     int(os.environ.get("FAULT_OFFSET", "0")))
             return acquire(sg)
         storage.acquire = arming
+    elif fault == "kill-in-compressed-pass":  # the block written, its pass not yet said done ([Note: block undo])
+        step_compressed = adam._step_compressed
+        target = int(os.environ.get("FAULT_SUB_GROUP", "0"))
+
+        def written(sg, *args, **kwargs):
+            step_compressed(sg, *args, **kwargs)
+            if sg.index == target:
+                die()
+        adam._step_compressed = written
+    elif fault == "kill-in-block-copy":  # halfway through the undo copy of the block (FAULT_SUB_GROUP -1: the last)
+        undo = adam.undo
+        target = int(os.environ.get("FAULT_SUB_GROUP", "0")) % len(engine.layout.sub_groups)
+        save = undo.save
+
+        def half_copied(sg, state):
+            if sg == target:
+                data = state.reshape(-1).view(torch.uint8)
+                undo._bytes[:data.numel() // 2].copy_(data[:data.numel() // 2])
+                die()
+            save(sg, state)
+        undo.save = half_copied
     elif fault == "kill-after-verdict":  # an overlapped step's record written, its early sub-groups named
         begin = engine.commit.begin_recorded_step
         workdir = sys.argv[2]
@@ -103,6 +126,8 @@ def main() -> int:
     config["offload"] = {"job_id": os.environ.get("JOB_ID", "resume-test")}
     if not os.environ.get("OFFLOAD_DAEMON_SOCKET"):
         config.pop("offload")
+    if os.environ.get("STATE_DTYPE"):  # offload.state_dtype: bf16 or int8 moments
+        config.setdefault("offload", {})["state_dtype"] = os.environ["STATE_DTYPE"]
     if os.environ.get("OVERLAP"):  # offload.overlap_step: a kill-step fault then dies under backward
         config.setdefault("offload", {})["overlap_step"] = True
         config["gradient_clipping"] = 0.0  # this model's norms clip: no sub-group would be stepped early

@@ -186,6 +186,26 @@ def test_rank_killed_inside_an_adam_pass_finishes_it_exactly(tmp_path, tmp_path_
                    "the step it was killed in finished from its committed inputs")
 
 
+@pytest.mark.parametrize("stage,device,fault,sg,env", [
+    (2, "nvme", "kill-in-compressed-pass", 1, {"STATE_DTYPE": "int8"}),
+    (1, "cpu", "kill-in-compressed-pass", 0, {"STATE_DTYPE": "bf16"}),
+    (3, "cpu", "kill-in-compressed-pass", 2, {"STATE_DTYPE": "int8"}),
+    (2, "cpu", "kill-in-block-copy", -1, {"STATE_DTYPE": "int8"}),
+    (2, "nvme", "kill-in-block-copy", 0, {"STATE_DTYPE": "bf16", "SUB_GROUP": 100000}),  # one sub-group a rank
+])
+def test_rank_killed_inside_a_compressed_state_pass_finishes_it_exactly(tmp_path, tmp_path_factory, daemon,  # noqa: F811
+                                                                        stage, device, fault, sg, env):
+    """[Note: block undo]: with bf16 or int8 moments, a kill once a sub-group's block is written (its pass not said
+    done) is finished from the block's undo copy; a kill halfway through that copy leaves the block untouched, and
+    the pass runs whole, even where the last copy made was of the same sub-group (one sub-group a rank: the last
+    step's copy of it must not be taken for this one's)."""
+    ref = _reference(tmp_path_factory, stage, **env)
+    proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=stage, FAULT=fault,
+                FAULT_STEP=15, FAULT_RANK=0, FAULT_SUB_GROUP=sg, **env)
+    _resumed_alike(proc, ref, tmp_path, 16, "the step it was killed in finished from its committed inputs")
+    assert ("restored from its undo copy" in proc.stderr) == (fault == "kill-in-compressed-pass")
+
+
 @pytest.mark.parametrize("stage,device,fault,resumed,env", [
     (2, "nvme", "kill-after-allreduce", 16, {}), (3, "cpu", "kill-after-allreduce", 16, {}),
     (2, "nvme", "kill-before-allreduce", 15, {}), (2, "cpu", "kill-after-allreduce", 16, {"NAN_STEP": 15}),

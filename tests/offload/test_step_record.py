@@ -102,3 +102,18 @@ def test_an_overlapped_step_rolls_back_under_backward_and_finishes_after_its_ver
     assert _verdict(store)[2]["step_record"] == (early, 2, True)
     region.sub_group_started(4)  # a pass that cannot be the one running: not finishable
     assert _verdict(store)[0] == TORN
+
+
+def test_a_session_with_compressed_states_holds_room_for_the_undo_copy_of_its_largest_block():
+    """[Note: block undo]: the fixed part of a daemon session grows by the largest compressed block (page-rounded),
+    and not at all with fp32 states."""
+    from offload.resume import session_fixed_bytes
+    from offload.tiers import plan_bytes
+
+    numels = [1000, 3000, 2000]
+    fp32 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=False, nvme_path=None))
+    assert session_fixed_bytes(plan_bytes(numels, window=2, nvme=False, nvme_path=None,
+                                          state_bytes=[12 * n for n in numels])) == fp32
+    int8 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=True, nvme_path="/x",
+                                          state_bytes=[6 * n + 100 for n in numels]))
+    assert int8 - fp32 == 6 * 4096  # the largest block, 18100 bytes (20480 as the plan rounds it), and the word

@@ -24,6 +24,9 @@ Cases (a shape is "N params x T tensors", the params split evenly):
         update / requantize) against the fp32-state and the bf16-state step, one functional
         adam_step each over the same fp32 params and grads; its memory share is its bytes a param
         (16.06: param 8, grad 4, moments 2 x 2, scales) at its rate over the streaming pass's GB/s.
+        int8_undo and bf16_undo are the int8 and bf16 steps after the undo copy of a state block as
+        large as theirs, as a recorded step through the daemon does it ([Note: block undo] in
+        offload.zero.block_undo); "ours / int8_undo" is the copied step's time over the plain one's.
 
 The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32) or
 >= 1.3x torch's fastest sequence (bf16), and >= 0.9 of the roofline where the four
@@ -70,7 +73,8 @@ DEFAULT_SHAPES = ["1e5x1000", "1e6x1", "1e6x100", "1e6x1000", "1e7x1", "1e7x10",
                   "1e7x1000", "1e8x1", "1e8x100", "1e8x1000"]
 DEFAULT_BF16 = ["1e6", "1e7", "1e8"]
 DEFAULT_STATES = ["1e7", "1e8"]
-STATE_BYTES = {"fp32_states": 28.0, "bf16_states": 20.0, "ours": 16.0 + 16 / 256}  # a param moved, grads fp32
+STATE_BYTES = {"fp32_states": 28.0, "bf16_states": 20.0, "ours": 16.0 + 16 / 256,  # a param moved, grads fp32
+               "int8_undo": 16.0 + 16 / 256 + 2 * (6.0 + 8 / 256), "bf16_undo": 20.0 + 2 * 8.0}  # + the copy
 TARGET_INT8_VS_FP32 = 1.6
 TARGET_VS_TORCH = {"fp32": 1.0, "bf16": 1.3}  # ours / torch fused (bf16: its fastest sequence)
 TARGET_VS_ROOFLINE = 0.9  # where the arrays exceed the last-level cache
@@ -189,6 +193,18 @@ def state_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
         out[name] = (lambda p=p, mo=mo, step=step, scales=scales: adam_step(
             [p], [grad], [mo.exp_avg], [mo.exp_avg_sq], [step], config=cfg,
             exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1]))
+    from offload.zero.block_undo import BlockUndo, block_undo_bytes
+
+    blocks = (("int8_undo", "ours", 6 * n + 8 * -(-n // 256)), ("bf16_undo", "bf16_states", 8 * n))
+    for name, plain, block_bytes in blocks:
+        block = torch.zeros(block_bytes, dtype=torch.uint8)
+        undo = BlockUndo(bytearray(block_undo_bytes(block_bytes)), fresh=True)
+
+        def logged(undo=undo, block=block, step=out[plain]):
+            undo.begin()
+            undo.save(0, block)
+            step()
+        out[name] = logged
     out["roofline"] = _roofline(n, threads, huge_moments=True)
     return out
 
@@ -202,7 +218,8 @@ def state_rows(case: str, n: int, samples: dict[str, list[float]], summary: dict
         per = STATE_BYTES.get(name, BYTES_PER_PARAM)
         rows.append(f"| {case} | {name} | {med:,.0f} ({_pct(mps, 0.1):,.0f}-{_pct(mps, 0.9):,.0f}) "
                     f"| {med * per / 1e3:.1f} at {per:.2f} B | |")
-    for a, b in (("ours", "fp32_states"), ("ours", "bf16_states"), ("bf16_states", "fp32_states")):
+    for a, b in (("ours", "fp32_states"), ("ours", "bf16_states"), ("bf16_states", "fp32_states"),
+                 ("ours", "int8_undo"), ("bf16_states", "bf16_undo")):
         ratios = [sb / sa for sa, sb in zip(samples[a], samples[b])]
         text = f"{statistics.median(ratios):.2f}x ({_pct(ratios, 0.1):.2f}-{_pct(ratios, 0.9):.2f})"
         summary.setdefault(case, {})[f"{a}/{b}"] = text

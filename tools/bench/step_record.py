@@ -2,12 +2,17 @@
 
 ``python tools/bench/bench_step.py --record`` (or this script alone) starts a real daemon
 (``step_ranks._start_daemon``) and builds the ~100M GPT of bench_step four times (same seed),
-each an engine through the daemon with its own job: cpu and nvme, each with the step recorded
-(``Engine.record_steps``, the default: [Note: restartable step] in offload.resume) and without
-(the step as before issue 18: torn if cut short). In every round each contender runs
+each an engine through the daemon with its own job: two on cpu, two on nvme. In each round one
+engine of a pair steps recorded (``Engine.record_steps``, the default: [Note: restartable step]
+in offload.resume) and the other without the record (the step as before issue 18: torn if cut
+short), and they swap from round to round: an engine's own speed (where its memory landed, say:
+in one run one of two engines doing the same work was 7% slower in forward and backward, which the
+record does not touch) then weighs on both modes alike instead of passing for the record's cost.
+In every round each engine runs
 ``--steps-per-round`` steps on the same batches, in an order that rotates from round to round;
-the first of them is not measured. Reported: the median step and optimizer step per contender,
-and the median over rounds of the paired ratio recorded / unrecorded in the same round.
+the first of them (the switch of mode included) is not measured. Reported: the median step and
+optimizer step per device and mode, and the median over rounds of the paired ratio recorded /
+unrecorded in the same round.
 
 Then the resume: the recorded nvme engine is cut inside a step (after its first sub-group is
 stepped, by an exception where a kill would land) and detached, as a killed rank leaves its
@@ -122,21 +127,25 @@ def main(argv: list[str] | None = None) -> int:
     contenders: list[EngineContender] = []
     try:
         for device in ("cpu", "nvme"):
-            for recorded in (True, False):
-                name = f"{device}, {'recorded' if recorded else 'unrecorded'}"
-                contenders.append(_contender(name, base, device, socket, workdir, recorded))
-        print(f"{n_params / 1e6:.1f}M params; contenders: {', '.join(c.name for c in contenders)}", flush=True)
-        samples = {c.name: {"step": [], "opt": []} for c in contenders}
+            for twin in "AB":
+                contenders.append(_contender(f"{device} {twin}", base, device, socket, workdir, True))
+        print(f"{n_params / 1e6:.1f}M params; engines: {', '.join(c.name for c in contenders)}", flush=True)
+        modes = [f"{device}, {mode}" for device in ("cpu", "nvme") for mode in ("recorded", "unrecorded")]
+        samples = {m: {"step": [], "opt": []} for m in modes}
         paired: dict[str, list[float]] = {"cpu": [], "nvme": []}
         for c in contenders:  # warm-up: first step allocates, first NVMe read
             c.step(data[0][:, :-1], data[0][:, 1:])
         by_round: list[dict[str, list[float]]] = [{} for _ in range(args.rounds)]
         for r, c, s, batch in rotating_rounds(contenders, args.rounds, args.steps_per_round, data):
+            c.engine.record_steps = (r + contenders.index(c)) % 2 == 0  # the twins swap modes every round
+            mode = f"{c.name.split()[0]}, {'recorded' if c.engine.record_steps else 'unrecorded'}"
             step, opt, _, _ = c.step(batch[:, :-1], batch[:, 1:])
             if s:  # the first of a run is not measured
-                samples[c.name]["step"].append(step)
-                samples[c.name]["opt"].append(opt)
-                by_round[r].setdefault(c.name, []).append(step)
+                samples[mode]["step"].append(step)
+                samples[mode]["opt"].append(opt)
+                by_round[r].setdefault(mode, []).append(step)
+        for c in contenders:
+            c.engine.record_steps = True
         for device in paired:
             paired[device] = [statistics.median(steps[f"{device}, recorded"])
                               / statistics.median(steps[f"{device}, unrecorded"]) for steps in by_round]
@@ -159,20 +168,21 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `{' '.join(['python', 'tools/bench/bench_step.py', '--record'] + argv)}`",
         f"- model: GPT, {n_params / 1e6:.1f}M params, fp32, batch {args.batch} x seq {args.seq}; ZeRO stage 1 on "
         "one rank; every contender an engine through one daemon (its own job)",
-        f"- {args.rounds} rounds x {len(contenders)} contenders x {args.steps_per_round} steps (first not measured), "
-        "rotating order; medians (min-max) over measured steps; recorded / unrecorded: median over rounds of "
-        "the paired ratio of the round's median steps",
+        f"- {args.rounds} rounds x {len(contenders)} engines x {args.steps_per_round} steps (first not measured), "
+        "rotating order; the two engines of a device swap recorded and unrecorded every round; medians (min-max) "
+        "over measured steps; recorded / unrecorded: median over rounds of the paired ratio of the round's "
+        "median steps",
         "",
-        "| contender | step s | opt s |",
+        "| device, mode | step s | opt s |",
         "| --- | --- | --- |",
     ]
-    for c in contenders:
-        lines.append(f"| {c.name} | {_fmt(samples[c.name]['step'])} | {_fmt(samples[c.name]['opt'], digits=3)} |")
+    for m in modes:
+        lines.append(f"| {m} | {_fmt(samples[m]['step'])} | {_fmt(samples[m]['opt'], digits=3)} |")
     lines += ["", "Step with the record / without, paired: " + ", ".join(f"{d} **{_fmt(v, digits=3)}x**"
                                                                         for d, v in paired.items()), "",
               f"The record's own work, timed alone (median of 200): {record_s * 1e6:.0f} us per step ({sub_groups} "
               f"sub-groups), {record_s / statistics.median(samples['cpu, recorded']['opt']):.2%} of the cpu "
-              "contender's median optimizer step.", "",
+              "recorded median optimizer step.", "",
               f"Resume through the daemon: nvme cut inside a step (after its first sub-group) and finished by "
               f"initialize in {finish_s:.2f} s (resumed at step {finish_step}); cpu detached between steps and "
               f"resumed in {resume_s:.2f} s (step {resume_step})."]
