@@ -19,7 +19,7 @@ stepped, by an exception where a kill would land) and detached, as a killed rank
 session; a fresh ``offload.initialize`` finishes that step from the record; the recorded cpu
 engine is detached between steps and resumed. Their ``initialize`` wall times are reported.
 
-Alone: python tools/bench/step_record.py [--rounds 3] [--steps-per-round 3] [--out FILE]
+Alone: python tools/bench/step_record.py [--rounds 3] [--steps-per-round 3] [--state-dtype fp32|bf16|int8] [--out FILE]
 """
 from __future__ import annotations
 
@@ -53,9 +53,11 @@ class _Cut(Exception):
     """Raised where a kill inside the step would land."""
 
 
-def _contender(name: str, base: GPT, device: str, socket: str, workdir: str, recorded: bool) -> EngineContender:
+def _contender(name: str, base: GPT, device: str, socket: str, workdir: str, recorded: bool,
+               state_dtype: str = "fp32") -> EngineContender:
     config = engine_config(device, 2, workdir, 4)
-    config["offload"].update(daemon_socket=socket, job_id=name.replace(" ", "-").replace(",", ""))
+    config["offload"].update(daemon_socket=socket, job_id=name.replace(" ", "-").replace(",", ""),
+                             state_dtype=state_dtype)
     if device == "nvme":  # a window of 8 blocks beside the grads (else sized from the pool, shared by four)
         n_params = sum(p.numel() for p in base.parameters())
         config["offload"]["host_memory_bytes"] = 4 * n_params + 8 * 12 * (4 << 20) + (64 << 20)
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps-per-round", type=int, default=3, help="the first of them is not measured")
     model_arguments(ap)
     ap.add_argument("--nvme-path", default=None, help="directory for the daemon's swap (default: a temporary one)")
+    ap.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="offload.state_dtype of every engine (bf16, int8: the record's undo copy of each block)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
     args = parse_step_args(ap, argv)
     base, data = model_and_batches(args)
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for device in ("cpu", "nvme"):
             for twin in "AB":
-                contenders.append(_contender(f"{device} {twin}", base, device, socket, workdir, True))
+                contenders.append(_contender(f"{device} {twin}", base, device, socket, workdir, True, args.state_dtype))
         print(f"{n_params / 1e6:.1f}M params; engines: {', '.join(c.name for c in contenders)}", flush=True)
         modes = [f"{device}, {mode}" for device in ("cpu", "nvme") for mode in ("recorded", "unrecorded")]
         samples = {m: {"step": [], "opt": []} for m in modes}
@@ -166,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         f"- machine: {_cpu_model()} ({os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads); torch "
         f"{torch.__version__}; Python {platform.python_version()}; load average at the end {_load()}",
         f"- command: `{' '.join(['python', 'tools/bench/bench_step.py', '--record'] + argv)}`",
-        f"- model: GPT, {n_params / 1e6:.1f}M params, fp32, batch {args.batch} x seq {args.seq}; ZeRO stage 1 on "
+        f"- model: GPT, {n_params / 1e6:.1f}M params, fp32, {args.state_dtype} Adam states, batch {args.batch} x seq "
+        f"{args.seq}; ZeRO stage 1 on "
         "one rank; every contender an engine through one daemon (its own job)",
         f"- {args.rounds} rounds x {len(contenders)} engines x {args.steps_per_round} steps (first not measured), "
         "rotating order; the two engines of a device swap recorded and unrecorded every round; medians (min-max) "
