@@ -37,6 +37,7 @@ from typing import Any, Iterable
 import torch
 
 from csrc import ConfigError
+from offload.zero.block_undo import block_undo_bytes
 from offload.zero.overlap import copies_that_fit, overlap_wanted
 from offload.zero.window import window_size
 
@@ -48,6 +49,7 @@ __all__ = ["EstimateInput", "EstimateRow", "Estimate", "ModelShapes", "estimate"
 PAGE = 4096
 ALIGN = 64  # offload.zero.layout.ALIGN_ELEMENTS
 SUB_GROUP_CAP = 1 << 22  # offload.builder.OFFLOAD_SUB_GROUP_CAP
+UNDO_COPY_PART = "undo copy of the largest state block (daemon)"
 DEVICES = ("none", "cpu", "nvme")
 
 
@@ -264,14 +266,18 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput) -> list[tu
     grads = sum(_up(4 * n, PAGE) for n in numels)
     states = [_up(state_block_bytes(n, inp.state_dtype), PAGE) for n in numels]
     what = "fp32 master + moments" + ("" if inp.state_dtype == "fp32" else f" ({inp.state_dtype})")
+    # a daemon session's undo copy of a compressed block ([Note: block undo]): host memory when the config
+    # names a daemon, else only in the daemon sizes the estimate advises ("daemon")
+    undo = [] if inp.state_dtype == "fp32" else [
+        (UNDO_COPY_PART, "host" if inp.daemon else "daemon", _up(block_undo_bytes(max(states)), PAGE))]
     if device == "cpu":
-        return [("fp32 gradient accumulators", "host", grads), (what, "host", sum(states))]
+        return [("fp32 gradient accumulators", "host", grads), (what, "host", sum(states))] + undo
     floor = max(2, inp.optimizer_buffer_count)
     blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
         states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
     window = sum(sorted(states, reverse=True)[:blocks])
     return [("fp32 gradient accumulators", "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
-            (what, "nvme", sum(states))]
+            (what, "nvme", sum(states))] + undo
 
 
 def _stage012(stage: int, optimizer: str, inp: EstimateInput) -> list[tuple[str, str, int]]:

@@ -25,7 +25,7 @@ _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 # what the tiers hold in host memory, by daemon session: the optimizer's (grads and states) and, with
 # stage 3 offloading params, the param shards' own (``<job>.params``); [Note: estimate] in offload.estimate
 OPTIMIZER_SESSION_PARTS = ("fp32 gradient accumulators", "state window (host budget, buffer_count at least)",
-                           "fp32 master + moments")
+                           "fp32 master + moments", "undo copy of the largest state block")
 PARAM_SESSION_PARTS = ("param shards", "param shards in flight (buffer_count segments)")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,7 +126,8 @@ def daemon_sizes(row, world_size: int) -> tuple[int, int, int]:
 
     sessions = []
     for names, commit in ((OPTIMIZER_SESSION_PARTS, fixed_bytes_for(SUB_GROUP_CAP)), (PARAM_SESSION_PARTS, 0)):
-        held = sum(n for what, where, n in row.parts if where == "host" and what in names)
+        held = sum(n for what, where, n in row.parts  # names are prefixes: "fp32 master + moments (int8)"
+                   if where in ("host", "daemon") and what.startswith(names))
         if held:
             sessions.append(-(-(held + commit) // 4096) * 4096)
     if not sessions:

@@ -211,3 +211,20 @@ def test_no_repeated_log_lines(caplog):
     assert main(["estimate", "--params", "7B", "--no-baseline", "--no-gpu"]) == 0
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == len(set(messages)), messages
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_the_daemon_quota_holds_the_state_blocks_in_every_state_dtype(state_dtype):
+    """With offload_optimizer cpu the state blocks are in the daemon session, whatever their dtype, and with
+    compressed ones the undo copy of the largest block ([Note: block undo]): host memory only with a daemon."""
+    from offload.estimate import SUB_GROUP_CAP, UNDO_COPY_PART, state_block_bytes
+    from offload.estimate_fit import daemon_sizes
+
+    inp = EstimateInput(shapes=shapes_from_count(50_000_000), compute_bytes=4, state_dtype=state_dtype)
+    row = estimate(inp).row(stage=2, optimizer="cpu")
+    states = sum(n for what, where, n in row.parts if what.startswith("fp32 master + moments"))
+    copy = 0 if state_dtype == "fp32" else state_block_bytes(SUB_GROUP_CAP, state_dtype)
+    assert states > 0 and daemon_sizes(row, 1)[0] > states + copy
+    with_daemon = estimate(dataclasses.replace(inp, daemon=True)).row(stage=2, optimizer="cpu")
+    assert with_daemon.host_bytes - row.host_bytes == sum(n for what, _, n in with_daemon.parts if what == UNDO_COPY_PART)
+    assert (with_daemon.host_bytes > row.host_bytes) == (state_dtype != "fp32")

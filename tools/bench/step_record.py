@@ -53,8 +53,7 @@ class _Cut(Exception):
     """Raised where a kill inside the step would land."""
 
 
-def _contender(name: str, base: GPT, device: str, socket: str, workdir: str, recorded: bool,
-               state_dtype: str = "fp32") -> EngineContender:
+def _contender(name: str, base: GPT, device: str, socket: str, workdir: str, state_dtype: str) -> EngineContender:
     config = engine_config(device, 2, workdir, 4)
     config["offload"].update(daemon_socket=socket, job_id=name.replace(" ", "-").replace(",", ""),
                              state_dtype=state_dtype)
@@ -62,7 +61,6 @@ def _contender(name: str, base: GPT, device: str, socket: str, workdir: str, rec
         n_params = sum(p.numel() for p in base.parameters())
         config["offload"]["host_memory_bytes"] = 4 * n_params + 8 * 12 * (4 << 20) + (64 << 20)
     c = EngineContender(name, copy.deepcopy(base), config)
-    c.engine.record_steps = recorded
     c.config, c.base = config, base
     return c
 
@@ -132,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for device in ("cpu", "nvme"):
             for twin in "AB":
-                contenders.append(_contender(f"{device} {twin}", base, device, socket, workdir, True, args.state_dtype))
+                contenders.append(_contender(f"{device} {twin}", base, device, socket, workdir, args.state_dtype))
         print(f"{n_params / 1e6:.1f}M params; engines: {', '.join(c.name for c in contenders)}", flush=True)
         modes = [f"{device}, {mode}" for device in ("cpu", "nvme") for mode in ("recorded", "unrecorded")]
         samples = {m: {"step": [], "opt": []} for m in modes}
