@@ -31,7 +31,8 @@ from offload.report import reporter_for
 from offload.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session, open_undo,
                             roll_back, step_multiplier, undo_exists, undo_slots)
 from offload.schedulers import build_scheduler
-from offload.tiers import Tier, open_tier, plan_bytes
+from offload.state_window import grads_to_nvme, reattached_state_window, state_window, tier_plan
+from offload.tiers import Tier, open_tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.node_buffers import open_node_buffers, write_own_shards
@@ -41,7 +42,6 @@ from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.state_format import StateFormat
 from offload.zero.states import StateStorage
 from offload.zero.unit_grads import UnitGradReducer
-from offload.zero.window import window_size
 
 logger = logging.getLogger(__name__)
 
@@ -297,17 +297,21 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             flat_grads = torch.zeros_like(flat_params)
 
     t0 = time.perf_counter()
-    window = _state_window(cfg, layout) if device_kind == OffloadDevice.NVME else zero.offload_optimizer.buffer_count
-    tier, verdict, payload, commit = _open_tier(cfg, layout, ranks, window) if offloaded else (None, FRESH, None, None)
+    grads_nvme = stage3 and grads_to_nvme(cfg, layout)  # [Note: gradient tier] in offload.zero.grad_tier
+    window = state_window(cfg, layout, grads_nvme=grads_nvme) if device_kind == OffloadDevice.NVME \
+        else zero.offload_optimizer.buffer_count
+    tier, verdict, payload, commit = _open_tier(cfg, layout, ranks, window, grads_nvme) if offloaded \
+        else (None, FRESH, None, None)
     logger.info("rank %d: optimizer state in %s", ranks.rank,
                 tier.placement if tier is not None else f"{ranks.device.type} memory (not offloaded)")
     try:
         if tier is not None and tier.daemon and device_kind == OffloadDevice.NVME:
-            window = _reattached_window(cfg, layout, tier, window)
+            window = reattached_state_window(cfg, layout, tier, window, grads_nvme=grads_nvme)
         if tier is not None and ranks.device.type == "cuda":
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
-                               device=ranks.device, window=window, state_format=StateFormat(cfg.offload.state_dtype))
+                               device=ranks.device, window=window, state_format=StateFormat(cfg.offload.state_dtype),
+                               grad_window=window if grads_nvme else None)
         if verdict == FINISH:  # an overlapped step's early sub-groups ([Note: speculative step] in offload.resume)
             storage.keep_written(payload["step_record"][0].get("early", ()))
         if verdict in (RESUME, FINISH, ROLLBACK):
@@ -388,48 +392,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, facade, loader, scheduler
 
 
-def _state_bytes(cfg: EngineConfig, layout: FlatLayout) -> list[int]:
-    """Each sub-group's state block in bytes, at ``offload.state_dtype``."""
-    fmt = StateFormat(cfg.offload.state_dtype)
-    return [fmt.state_bytes(sg) for sg in layout.sub_groups]
-
-
-def _state_window(cfg: EngineConfig, layout: FlatLayout) -> int:
-    """State blocks in host memory at once with nvme: what the host budget holds, buffer_count at least.
-    A daemon without ``offload.host_memory_bytes``: what its pool gives (offload.daemon_window)."""
-    floor = cfg.zero.offload_optimizer.buffer_count
-    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None,
-                      state_bytes=_state_bytes(cfg, layout))
-    socket = resolve_daemon_socket(cfg.offload)
-    if socket and cfg.offload.host_memory_bytes is None:
-        from offload.daemon_window import daemon_state_window
-        from offload.resume import session_fixed_bytes
-
-        return daemon_state_window(socket, plan.state_bytes, floor=floor,
-                                   fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
-                                   largest_region_bytes=max(plan.region_bytes, default=0))
-    return window_size(plan.state_bytes, floor=floor, fixed_bytes=plan.resident_bytes,
-                       host_memory_bytes=cfg.offload.host_memory_bytes, what="optimizer state")
-
-
-def _reattached_window(cfg: EngineConfig, layout: FlatLayout, tier: Tier, window: int) -> int:
-    from offload.daemon_window import reattached_window
-    from offload.resume import session_fixed_bytes
-
-    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=0, nvme=True, nvme_path=None,
-                      state_bytes=_state_bytes(cfg, layout))
-    return reattached_window(tier.store, plan.state_bytes, window, floor=cfg.zero.offload_optimizer.buffer_count,
-                             fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
-                             largest_region_bytes=max(plan.region_bytes, default=0))
-
-
-def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: int):
+def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: int, grads_nvme: bool):
     """The tier for the optimizer state, and what a daemon session already holds (offload.resume):
     (tier, verdict, committed state, commit region)."""
-    zero = cfg.zero
-    nvme = zero.offload_optimizer.device == OffloadDevice.NVME
-    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=nvme,
-                      nvme_path=zero.offload_optimizer.nvme_path, state_bytes=_state_bytes(cfg, layout))
+    plan = tier_plan(cfg, layout, window=window, grads_nvme=grads_nvme)
 
     def open_() -> Tier:
         return open_tier(plan, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),

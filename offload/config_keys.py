@@ -169,8 +169,8 @@ AIO = KeyTable(
 OFFLOAD = KeyTable(
     acted=_same("daemon_socket", "job_id", "host_memory_bytes", "swap_capacity_bytes", "checksum",
                 "delayed_update", "delayed_update_warmup_steps", "release_host_heap", "overlap_step",
-                "state_dtype", "node_shared_buffers"),
-    auto=frozenset({"overlap_step"}),
+                "state_dtype", "gradient_tier", "node_shared_buffers"),
+    auto=frozenset({"overlap_step", "gradient_tier"}),
 )
 
 CHECKPOINT = KeyTable(

@@ -374,6 +374,12 @@ class OffloadSectionConfig:
     """How the offloaded Adam moments are stored (the fp32 master is kept): "fp32" (the bit-exact
     default), "bf16", or "int8" (blockwise dynamic 8-bit codes with a float32 scale per 256 elements;
     see cpu_adam.quant). Needs offload_optimizer device cpu or nvme."""
+    gradient_tier: str = "auto"
+    """Where stage 3's fp32 gradient accumulators live between landing and the step: "host" (resident
+    in the tier's host memory, 4 bytes per parameter of the partition), "nvme" (on NVMe, a window of
+    them in host memory: offload.zero.grad_tier), or "auto" (nvme where the accumulators would take
+    more than the state window's budget of host memory). nvme needs stage 3 with offload_optimizer nvme,
+    and no delayed_update or overlap_step."""
     node_shared_buffers: bool = True
     """Stages 1-2 on the CPU with every rank on one node: the ranks share one param buffer and read
     each other's gradient buffers in shared memory (/dev/shm) instead of reduce-scattering and
@@ -395,6 +401,8 @@ class OffloadSectionConfig:
             _fail(self, "overlap_step", 'true, false or "auto"')
         if self.state_dtype not in ("fp32", "bf16", "int8"):
             _fail(self, "state_dtype", '"fp32", "bf16" or "int8"')
+        if self.gradient_tier not in ("auto", "host", "nvme"):
+            _fail(self, "gradient_tier", '"auto", "host" or "nvme"')
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -447,6 +455,12 @@ class EngineConfig:
                               "offload_optimizer.device cpu or nvme (the compressed moments are stepped by the CPU)")
         if self.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
             _overlap_step_supported(self)
+        if self.offload.gradient_tier == "nvme" and (
+                self.zero.stage != 3 or self.zero.offload_optimizer.device is not OffloadDevice.NVME):
+            raise ConfigError("offload.gradient_tier \"nvme\" needs zero_optimization.stage 3 with "
+                              "offload_optimizer.device nvme (stages 0-2 keep one flat gradient buffer as large "
+                              f"as the model; this config has stage {self.zero.stage}, offload_optimizer "
+                              f"{self.zero.offload_optimizer.device.value}): set it \"host\" or \"auto\"")
 
 
 def _overlap_step_supported(config: EngineConfig) -> None:

@@ -349,8 +349,7 @@ class Engine:
             self.skipped_steps += 1
             self.adam.step_count = record["step_count"]
         else:
-            grads = [self.adam.storage.grad(i) for i in range(len(self.layout.sub_groups))]
-            plan = StepPlan(record["step_count"], record["hypers"], grads)
+            plan = StepPlan(record["step_count"], record["hypers"], self.adam.storage.step_grads())
             self.adam.step_count = record["step_count"] + 1
             skip = frozenset(range(done)) | frozenset(record.get("early", ()))  # early: stepped under backward
             self.adam.step_states(multiplier, plan, skip=skip, progress=self.commit, resume=in_pass)

@@ -38,6 +38,7 @@ import torch
 
 from csrc import ConfigError
 from offload.zero.block_undo import block_undo_bytes
+from offload.zero.grad_tier import gradients_on_nvme
 from offload.zero.overlap import copies_that_fit, overlap_wanted
 from offload.zero.window import window_size
 
@@ -50,6 +51,7 @@ PAGE = 4096
 ALIGN = 64  # offload.zero.layout.ALIGN_ELEMENTS
 SUB_GROUP_CAP = 1 << 22  # offload.builder.OFFLOAD_SUB_GROUP_CAP
 UNDO_COPY_PART = "undo copy of the largest state block (daemon)"
+GRADS_ON_NVME_PART = "fp32 gradient accumulators (offload.gradient_tier nvme)"
 DEVICES = ("none", "cpu", "nvme")
 
 
@@ -173,6 +175,8 @@ class EstimateInput:
     state_dtype: str = "fp32"
     """offload.state_dtype: the offloaded moments' storage (fp32 12, bf16 8, int8 ~6.03 bytes per element
     with the master; ``offload.zero.state_format``)."""
+    gradient_tier: str = "auto"
+    """offload.gradient_tier: stage 3's accumulators resident or on NVMe ([Note: gradient tier])."""
 
     @classmethod
     def from_config(cls, config: Any, shapes: ModelShapes, *, world_size: int = 1,
@@ -188,7 +192,8 @@ class EstimateInput:
                    host_memory_bytes=cfg.offload.host_memory_bytes, daemon=bool(resolve_daemon_socket(cfg.offload)),
                    param_buffer_count=z.offload_param.buffer_count, max_live=z.stage3_max_live_parameters,
                    baseline_bytes=baseline_bytes, gpu=gpu, overlap_step=cfg.offload.overlap_step,
-                   delayed_update=cfg.offload.delayed_update, state_dtype=cfg.offload.state_dtype)
+                   delayed_update=cfg.offload.delayed_update, state_dtype=cfg.offload.state_dtype,
+                   gradient_tier=cfg.offload.gradient_tier)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -258,8 +263,11 @@ def _sub_group_numels(partition: int, device: str, inp: EstimateInput) -> list[i
     return [sub] * (partition // sub) + ([partition % sub] if partition % sub else [])
 
 
-def _optimizer_parts(partition: int, device: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
-    """The fp32 gradient accumulators and state blocks of a partition (``offload.tiers.plan_bytes``)."""
+def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: int = 2,
+                     unit_partition: int = 0) -> list[tuple[str, str, int]]:
+    """The fp32 gradient accumulators and state blocks of a partition (``offload.tiers.plan_bytes``);
+    with stage 3 and nvme, the accumulators on NVMe where ``offload.gradient_tier`` puts them there
+    (``unit_partition``: a rank's share of the largest unit, whose sub-groups' accumulators land at once)."""
     numels = _sub_group_numels(partition, device, inp)
     if device == "none":
         return [("fp32 gradient accumulators", "device", 4 * partition), ("fp32 master + moments", "device", 12 * partition)]
@@ -273,6 +281,15 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput) -> list[tu
     if device == "cpu":
         return [("fp32 gradient accumulators", "host", grads), (what, "host", sum(states))] + undo
     floor = max(2, inp.optimizer_buffer_count)
+    if gradients_on_nvme(inp.gradient_tier, stage=stage, optimizer_nvme=True, partition_numel=partition,
+                         host_memory_bytes=inp.host_memory_bytes, log=False):  # [Note: gradient tier]
+        items = [s + _up(4 * n, PAGE) for s, n in zip(states, numels)]
+        floor = max(floor, 2 + -(-unit_partition // max(numels, default=1)))  # offload.state_window's floor
+        blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
+            items, floor=floor, fixed_bytes=0, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
+        return [(GRADS_ON_NVME_PART, "nvme", grads), (what, "nvme", sum(states)),
+                ("state window (host budget, buffer_count at least), with the gradient accumulators", "host",
+                 sum(sorted(items, reverse=True)[:blocks]))] + undo
     blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
         states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
     window = sum(sorted(states, reverse=True)[:blocks])
@@ -324,7 +341,7 @@ def _stage3(optimizer: str, param: str, inp: EstimateInput) -> list[tuple[str, s
         parts += [("param shards in flight (buffer_count segments)", "host",
                    max(3, inp.param_buffer_count) * max(shard_sizes, default=0)),
                   ("param shards", "nvme", sum(shard_sizes))]
-    return parts + _optimizer_parts(partition, optimizer, inp)
+    return parts + _optimizer_parts(partition, optimizer, inp, stage=3, unit_partition=largest // n)
 
 
 def estimate(inp: EstimateInput, *, stages: Iterable[int] = (0, 1, 2, 3)) -> Estimate:

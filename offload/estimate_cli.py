@@ -104,6 +104,8 @@ def run_cli(args: Any) -> int:
         inp = dataclasses.replace(inp, compute_bytes=4 if args.dtype == "fp32" else 2)
     if args.state_dtype:
         inp = dataclasses.replace(inp, state_dtype=args.state_dtype)
+    if args.gradient_tier:
+        inp = dataclasses.replace(inp, gradient_tier=args.gradient_tier)
     est = estimate(inp, stages=args.stage or (0, 1, 2, 3))
     detail = None
     if args.detail:
@@ -140,6 +142,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (the config's, else fp32)")
     parser.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
                         help="offload.state_dtype: how the Adam moments are stored (the config's, else fp32)")
+    parser.add_argument("--gradient-tier", choices=("auto", "host", "nvme"),
+                        help="offload.gradient_tier: stage 3's gradient accumulators with offload_optimizer nvme "
+                             "(the config's, else auto: nvme where they exceed the host budget)")
     parser.add_argument("--stage", type=int, action="append", choices=(0, 1, 2, 3), help="only this stage (repeatable)")
     parser.add_argument("--detail", metavar="STAGE[,OPT[,PARAM]]", help="also list the parts of one row, e.g. 3,nvme,nvme")
     parser.add_argument("--no-baseline", action="store_true", help="leave out this process's own memory")

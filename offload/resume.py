@@ -323,10 +323,10 @@ def session_fixed_bytes(plan: Any) -> int:
     from offload.zero.block_undo import block_undo_bytes
 
     fixed = fixed_bytes_for(max(plan.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
-    states = plan.state_bytes
-    grads = plan.region_bytes[:len(plan.region_bytes) - len(states)]
+    half = len(plan.region_bytes) // 2  # the grad regions, then the state blocks (offload.tiers.plan_bytes)
+    grads, states = plan.region_bytes[:half], plan.region_bytes[half:]
     if any(s < 3 * g for g, s in zip(grads, states)):
-        fixed += -(-block_undo_bytes(max(states)) // 4096) * 4096
+        fixed += -(-block_undo_bytes(-(-max(states) // 4096) * 4096) // 4096) * 4096
     return fixed
 
 

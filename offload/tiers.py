@@ -38,7 +38,8 @@ class TierPlan:
     swap_bytes: int
     """NVMe space for the regions that are evicted (page-rounded); 0 when host only."""
     state_bytes: tuple[int, ...] = ()
-    """The page-rounded size of each sub-group's state block (what the NVMe window holds)."""
+    """The page-rounded size of each sub-group's state block (what the NVMe window holds; with the
+    gradient tier on NVMe, the block and its gradient accumulator together)."""
     nvme_path: str | None = None
     """Directory for the swap file (nvme)."""
     segment_bytes: int | None = None
@@ -139,18 +140,23 @@ def packed_quota_bytes(resident_bytes: int, largest_region_bytes: int, segment_b
 
 
 def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | None,
-               state_bytes: list[int] | None = None) -> TierPlan:
-    """The plan for sub-groups of ``numels`` elements: an fp32 grad region (always resident) and
-    a state block per sub-group, fp32 three times that unless ``state_bytes`` gives each block's size
-    (``offload.state_dtype``, ``offload.zero.state_format``); with nvme only ``window`` blocks are held."""
+               state_bytes: list[int] | None = None, grads_nvme: bool = False) -> TierPlan:
+    """The plan for sub-groups of ``numels`` elements: an fp32 grad region (resident) and a state
+    block per sub-group, fp32 three times that unless ``state_bytes`` gives each block's size
+    (``offload.state_dtype``, ``offload.zero.state_format``); with nvme only ``window`` blocks are held.
+    ``grads_nvme`` (``offload.gradient_tier``, [Note: gradient tier] in offload.zero.grad_tier): the grad
+    regions go to NVMe too, ``window`` of them held (``state_bytes`` of the plan are then each sub-group's
+    block and accumulator together, what one place in the window holds)."""
     grads = [4 * n for n in numels]
     states = list(state_bytes) if state_bytes is not None else [12 * n for n in numels]
-    resident = sum(align_up(g, PAGE) for g in grads)
+    if grads_nvme and not nvme:
+        raise ValueError("grads_nvme needs nvme")
+    per_item = [align_up(s, PAGE) + (align_up(g, PAGE) if grads_nvme else 0) for g, s in zip(grads, states)]
+    resident = 0 if grads_nvme else sum(align_up(g, PAGE) for g in grads)
     if nvme:
-        biggest = sorted((align_up(s, PAGE) for s in states), reverse=True)[:window]
-        resident += sum(biggest)
+        resident += sum(sorted(per_item, reverse=True)[:window])
     else:
-        resident += sum(align_up(s, PAGE) for s in states)
-    swap = sum(align_up(s, PAGE) for s in states) if nvme else 0
+        resident += sum(per_item)
+    swap = sum(per_item) if nvme else 0
     return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=resident, swap_bytes=swap,
-                    nvme_path=nvme_path, state_bytes=tuple(align_up(s, PAGE) for s in states))
+                    nvme_path=nvme_path, state_bytes=tuple(per_item))

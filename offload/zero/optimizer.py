@@ -131,8 +131,9 @@ class PartitionedAdam:
         if isinstance(source, torch.Tensor):
             source = shard_source(source, bucket.shard_start(self.layout.rank))
         dsts, srcs = [], []
-        for sg, p in self._by_bucket.get(bucket.index, ()):
-            acc = self.storage.grad(sg)
+        pieces = self._by_bucket.get(bucket.index, ())
+        for sg, p in pieces:
+            acc = self.storage.grad_for_landing(sg, first)
             for off, src in source(p.flat_start, p.numel):
                 dsts.append(acc[p.sub_start + off:p.sub_start + off + src.numel()])
                 srcs.append(src)
@@ -150,6 +151,8 @@ class PartitionedAdam:
                     dst.add_(src)
                 if final:
                     self.sumsq += _sumsq(dst, self.num_threads)
+        for sg, _ in pieces:  # (with the gradient tier on NVMe, a sub-group's last piece sends it back)
+            self.storage.grad_landed(sg)
         if final and self.landed is not None:
             self.landed(bucket)
         return zero
@@ -182,7 +185,7 @@ class PartitionedAdam:
         gradient accumulators (``grads``, default the storage's). Counts the step unless ``count``
         is False (the plan of a step that may not happen: ``offload.zero.overlap``)."""
         plan = StepPlan(self.step_count, {g: self._hyper(g) for g in range(len(self.optimizer.param_groups))},
-                        grads if grads is not None else [self.storage.grad(i) for i in range(len(self.layout.sub_groups))])
+                        grads if grads is not None else self.storage.step_grads())
         if count:
             self.step_count += 1
         return plan
@@ -198,17 +201,24 @@ class PartitionedAdam:
         self.storage.prefetch(order)
         self._staging_free()
         logged = progress is not None and self.undo is not None and self._on_host
+        self.storage.prefetch_grads(order)
         for k, i in enumerate(order):
             state = self.storage.acquire(i)
             self.storage.prefetch(order[k + 1:])
+            grad = plan.grads[i]
+            if grad is None:  # on NVMe ([Note: gradient tier] in offload.zero.grad_tier)
+                grad = self.storage.acquire_grad(i)
+                self.storage.prefetch_grads(order[k + 1:])
             if progress is not None:
                 self.storage.will_write(i)  # before the pass: the daemon keeps what it writes
                 if logged and not (resume and k == 0):
                     self.undo.begin()
                 progress.sub_group_started(i)
             self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan,
-                                 logged=(resume and k == 0) if logged else None)
+                                 logged=(resume and k == 0) if logged else None, grad=grad)
             self.storage.release(i, dirty=True)
+            if plan.grads[i] is None:
+                self.storage.release_grad(i)
             if progress is not None:
                 progress.sub_group_done(i + 1)
 
@@ -274,10 +284,11 @@ class PartitionedAdam:
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
     def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float, plan: StepPlan,
-                        logged: bool | None = None) -> None:
+                        logged: bool | None = None, grad: torch.Tensor | None = None) -> None:
         """``logged``: None, or the pass goes through the undo log, resuming a cut one if True (compressed
-        states: through the undo copy of the block, [Note: block undo] in offload.zero.block_undo)."""
-        grad = plan.grads[sg.index]
+        states: through the undo copy of the block, [Note: block undo] in offload.zero.block_undo).
+        ``grad``: the sub-group's accumulator, where the plan's is None (brought in by the caller)."""
+        grad = plan.grads[sg.index] if grad is None else grad
         if not self.storage.format.fp32:
             if logged and self.undo.restore(sg.index, state):
                 logger.warning("rank %d: sub-group %d's state block, which a killed Adam pass left half written, "

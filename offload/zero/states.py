@@ -3,7 +3,9 @@
 Each sub-group has two buffers:
 - its state block, ``[master | exp_avg | exp_avg_sq]`` (3 x numel fp32, or the smaller layouts of
   ``offload.state_dtype`` bf16 / int8, see ``offload.zero.state_format``): the unit of NVMe I/O;
-- its gradient accumulator (numel): always resident, written as buckets land.
+- its gradient accumulator (numel fp32): resident, written as buckets land; or, with
+  ``grad_window`` (stage 3's ``offload.gradient_tier`` nvme), on NVMe but for a window of them
+  (``offload.zero.grad_tier``, [Note: gradient tier]).
 
 With ``offload_optimizer`` none they are torch tensors on the model's device. With cpu or
 nvme they are regions of the tier (the embedded ``TierStore`` or the daemon's
@@ -20,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from csrc import ConfigError
+from offload.zero.grad_tier import GradTier
 from offload.zero.layout import FlatLayout, SubGroup
 from offload.zero.state_format import StateFormat
 from offload.zero.window import HostWindow
@@ -45,9 +48,13 @@ class StateStorage:
     """Sub-group state blocks and gradient accumulators over a tier (or device tensors)."""
 
     def __init__(self, layout: FlatLayout, *, tier: Any | None, nvme: bool, device: torch.device,
-                 window: int, prefix: str = "", state_format: StateFormat | None = None) -> None:
+                 window: int, prefix: str = "", state_format: StateFormat | None = None,
+                 grad_window: int | None = None) -> None:
+        """``grad_window``: the accumulators go to NVMe too, this many of them in host memory at most."""
         if nvme and tier is None:
             raise ConfigError("NVMe offload needs a tier")
+        if grad_window is not None and not nvme:
+            raise ConfigError("gradient accumulators on NVMe need the optimizer state on NVMe")
         self.layout = layout
         self.tier = tier
         self.nvme = nvme
@@ -62,11 +69,13 @@ class StateStorage:
         self._marked: set[int] = set()  # resident blocks marked dirty before they were written (will_write)
         self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
                                   label=lambda sg: f"sub-group {sg}", noun="blocks")
+        self.grads_tier = None if grad_window is None else GradTier(tier, layout, window=grad_window,
+                                                                    name=self._grad_name)
 
     @property
     def io_wait_seconds(self) -> float:
         """Seconds spent waiting for prefetches and evicts since the start."""
-        return self._window.io_wait_seconds
+        return self._window.io_wait_seconds + (self.grads_tier.io_wait_seconds if self.grads_tier else 0.0)
 
     # -- names and views ------------------------------------------------------------------
 
@@ -93,8 +102,11 @@ class StateStorage:
                 self._tensors[self._state_name(sg.index)] = torch.zeros(3 * n, dtype=torch.float32, device=self.device)
                 self._tensors[self._grad_name(sg.index)] = torch.zeros(n, dtype=torch.float32, device=self.device)
             else:
-                self.tier.allocate(self._grad_name(sg.index), n * F32)
-                self._view(self._grad_name(sg.index), n, cache=True).zero_()
+                if self.grads_tier is not None:
+                    self.grads_tier.allocate(sg.index)
+                else:
+                    self.tier.allocate(self._grad_name(sg.index), n * F32)
+                    self._view(self._grad_name(sg.index), n, cache=True).zero_()
                 self._window.make_room()
                 self.tier.allocate(self._state_name(sg.index), self.format.state_bytes(sg))
                 self._placement[sg.index] = Placement.RESIDENT if self.nvme else Placement.HOST
@@ -120,6 +132,8 @@ class StateStorage:
             if held:
                 self.tier.wait_for_evict(self.tier.evict(held))
             self._placement[:] = [Placement.NVME for _ in self.layout.sub_groups]
+        if self.grads_tier is not None:
+            self.grads_tier.adopt()
 
     def keep_written(self, sgs: Iterable[int]) -> None:
         """Before ``adopt`` on a resume: blocks the killed process stepped but had not yet marked dirty (an
@@ -135,10 +149,41 @@ class StateStorage:
                 self.tier.mark_dirty(name)
 
     def grad(self, sg: int) -> torch.Tensor:
-        """The fp32 gradient accumulator of a sub-group (always resident)."""
+        """The fp32 gradient accumulator of a sub-group, resident (not with the gradient tier on NVMe)."""
+        if self.grads_tier is not None:
+            raise ConfigError("the gradient accumulators are on NVMe: use grad_for_landing / acquire_grad")
         name = self._grad_name(sg)
         t = self._tensors.get(name)
         return t if t is not None else self._view(name, self.layout.sub_groups[sg].numel, cache=True)
+
+    # -- gradient accumulators, resident or on NVMe ([Note: gradient tier]) ------------------
+
+    def grad_for_landing(self, sg: int, first: bool) -> torch.Tensor:
+        """The accumulator a bucket's piece lands in (``first``: a cycle's first micro-step, overwriting it)."""
+        return self.grad(sg) if self.grads_tier is None else self.grads_tier.for_landing(sg, first)
+
+    def grad_landed(self, sg: int) -> None:
+        """One piece of ``sg`` has landed (with the gradient tier, its last one this micro-step writes it back)."""
+        if self.grads_tier is not None:
+            self.grads_tier.landed(sg)
+
+    def step_grads(self) -> list[torch.Tensor | None]:
+        """The accumulators a step reads: the resident ones, or None each with the gradient tier on NVMe
+        (the step acquires each beside its state block: ``acquire_grad``)."""
+        if self.grads_tier is not None:
+            return [None] * len(self.layout.sub_groups)
+        return [self.grad(i) for i in range(len(self.layout.sub_groups))]
+
+    def prefetch_grads(self, sgs: Iterable[int]) -> None:
+        if self.grads_tier is not None:
+            self.grads_tier.prefetch(sgs)
+
+    def acquire_grad(self, sg: int) -> torch.Tensor:
+        return self.grad(sg) if self.grads_tier is None else self.grads_tier.acquire(sg)
+
+    def release_grad(self, sg: int) -> None:
+        if self.grads_tier is not None:
+            self.grads_tier.release(sg)
 
     def swap_grads(self, spare: list[torch.Tensor]) -> list[torch.Tensor]:
         """Land gradients in ``spare`` (one fp32 tensor per sub-group) from now on; returns the
@@ -204,9 +249,13 @@ class StateStorage:
     def drain(self) -> None:
         """Wait for every evict in flight."""
         self._window.drain()
+        if self.grads_tier is not None:
+            self.grads_tier.drain()
 
     def cancel_prefetches(self) -> None:
         """Give back state blocks brought in for a step that will not run (an fp16 overflow)."""
+        if self.grads_tier is not None:
+            self.grads_tier.cancel()
         for sg, where in enumerate(self._placement):
             if where == Placement.IN_FLIGHT and sg not in self._window.evicting:
                 self.acquire(sg)
@@ -222,6 +271,8 @@ class StateStorage:
         ``poll`` False: as last seen, without retiring evicts (while another thread steps)."""
         if poll:
             self.poll()
+            if self.grads_tier is not None:
+                self.grads_tier.poll()
         out = {"device": 0, "host": 0, "nvme": 0}
         for sg, where in zip(self.layout.sub_groups, self._placement):
             key = {Placement.DEVICE: "device", Placement.NVME: "nvme", Placement.IN_FLIGHT: "in_flight"}.get(where, "host")
@@ -234,6 +285,8 @@ class StateStorage:
             self._tensors.clear()
             return
         self._window.settle("sub-group")
+        if self.grads_tier is not None:
+            self.grads_tier.settle()
         self._tensors.clear()
         for sg in self.layout.sub_groups:
             for name in (self._state_name(sg.index), self._grad_name(sg.index)):

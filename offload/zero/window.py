@@ -22,7 +22,7 @@ from csrc import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HostWindow", "window_size"]
+__all__ = ["HostWindow", "budget_bytes", "window_size"]
 
 # [Note: host window]
 # A prefetch that would exceed the window first waits for the oldest evict; failing that,
@@ -174,6 +174,20 @@ def available_bytes() -> int | None:
     return None
 
 
+def budget_bytes(host_memory_bytes: int | None) -> tuple[int | None, str]:
+    """The host memory a rank's offloaded state may take, and where that figure came from: the offload
+    section's ``host_memory_bytes``, or 1/FREE_SHARE of the memory available now split over the node's
+    ranks (LOCAL_WORLD_SIZE); None where neither is known."""
+    if host_memory_bytes is not None:
+        return host_memory_bytes, "offload.host_memory_bytes"
+    free = available_bytes()
+    if free is None:
+        return None, "nothing"
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    source = f"1/{FREE_SHARE} of the available memory" + (f" over {ranks} ranks" if ranks > 1 else "")
+    return free // FREE_SHARE // ranks, source
+
+
 def window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, host_memory_bytes: int | None,
                 what: str, log: bool = True) -> int:
     """How many of ``block_bytes`` (page-rounded sizes of the items) the window holds.
@@ -188,18 +202,12 @@ def window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, hos
     count = len(block_bytes)
     if count == 0:
         return floor
-    if host_memory_bytes is not None:
-        budget, source = host_memory_bytes - fixed_bytes, "offload.host_memory_bytes"
-    else:
-        free = available_bytes()
-        if free is None:
-            if log:
-                logger.info("%s window: %d (buffer_count; the free memory could not be read)", what, floor)
-            return floor
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        budget, source = free // FREE_SHARE // ranks - fixed_bytes, f"1/{FREE_SHARE} of the available memory"
-        if ranks > 1:
-            source += f" over {ranks} ranks"
+    budget, source = budget_bytes(host_memory_bytes)
+    if budget is None:
+        if log:
+            logger.info("%s window: %d (buffer_count; the free memory could not be read)", what, floor)
+        return floor
+    budget -= fixed_bytes
     fit, used = 0, 0
     for b in sorted(block_bytes, reverse=True):
         if used + b > budget:

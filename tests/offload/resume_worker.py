@@ -128,6 +128,8 @@ def main() -> int:
         config.pop("offload")
     if os.environ.get("STATE_DTYPE"):  # offload.state_dtype: bf16 or int8 moments
         config.setdefault("offload", {})["state_dtype"] = os.environ["STATE_DTYPE"]
+    if os.environ.get("GRADIENT_TIER"):  # offload.gradient_tier: nvme puts stage 3's accumulators on NVMe
+        config.setdefault("offload", {})["gradient_tier"] = os.environ["GRADIENT_TIER"]
     if os.environ.get("OVERLAP"):  # offload.overlap_step: a kill-step fault then dies under backward
         config.setdefault("offload", {})["overlap_step"] = True
         config["gradient_clipping"] = 0.0  # this model's norms clip: no sub-group would be stepped early
@@ -195,6 +197,7 @@ def main() -> int:
     engine.adam.storage.drain()  # the last step's evicts: nothing moves after this (close reports it too)
     stats = engine.offload_stats()
     torch.save({"params": final_params(engine, net), "resumed_step": engine.resumed_step,
+                "grads_on_nvme": engine.adam.storage.grads_tier is not None,
                 "global_steps": engine.global_steps, "bytes_read_total": stats.bytes_read_total,
                 "bytes_written_total": stats.bytes_written_total, "optimizer_steps": stats.optimizer_steps,
                 "skipped_steps": stats.skipped_steps, "reports": engine.reporter.reports if engine.reporter else 0},

@@ -163,6 +163,18 @@ def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_fact
     _resumed_alike(proc, ref, tmp_path, 16, "the step it was killed in finished from its committed inputs")
 
 
+@pytest.mark.parametrize("fault,step", [("kill-forward", 15), ("kill-after-sub-group", 16)])
+def test_gradients_on_nvme_survive_a_killed_rank(tmp_path, tmp_path_factory, daemon, fault, step):  # noqa: F811
+    """Stage 3 with offload.gradient_tier nvme through the daemon: the accumulators a killed rank wrote back
+    (or was reading in its step) are adopted from NVMe and the restart finishes bit-equal to an uninterrupted
+    run with resident ones ([Note: gradient tier] in offload.zero.grad_tier)."""
+    ref = _reference(tmp_path_factory, 3)
+    proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path, STAGE=3, GRADIENT_TIER="nvme",
+                FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
+    _resumed_alike(proc, ref, tmp_path, step)
+    assert all(_final(tmp_path, r)["grads_on_nvme"] for r in range(2))
+
+
 # 188418 elements a rank: a 150000-element sub-group of 3 chunks, stepped on 2 threads. (Not with stage 3:
 # the worker reads the final params outside forward, which a partitioned param of this size is not.)
 WIDE = {"WIDTH": 16384, "SUB_GROUP": 150000}

@@ -12,8 +12,10 @@ from /proc/self/status) after set-up and after every step; then ``offload estima
 prediction for the same model and config, against the measured peak.
 
 Usage: python tools/bench/bench_capacity.py [--n-layer 30] [--n-embd 2560] [--n-head 20]
-       [--seq 32] [--batch 1] [--steps 4] [--nvme-path /tmp] [--json FILE] [--out FILE]
+       [--seq 32] [--batch 1] [--steps 4] [--nvme-path /tmp] [--state-dtype int8] [--bf16]
+       [--gradient-tier auto|host|nvme] [--json FILE] [--out FILE]
        python tools/bench/bench_capacity.py --report-from FILE.json --out FILE.md
+       python tools/bench/bench_capacity.py --compare BASE.json NEW.json [--out FILE.md]
 Run under `flock /tmp/ofl-bench.lock`; it takes minutes and tens of GB of swap under --nvme-path.
 """
 from __future__ import annotations
@@ -66,7 +68,7 @@ class GPT2Init:
 
 def engine_config(args, nvme_path: str) -> dict:
     where = {"device": "nvme", "nvme_path": nvme_path}
-    return {
+    out = {
         "train_batch_size": args.batch, "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "offload_optimizer": dict(where, buffer_count=4),
@@ -74,6 +76,13 @@ def engine_config(args, nvme_path: str) -> dict:
                               "stage3_max_live_parameters": args.max_live,
                               "stage3_max_reuse_distance": args.max_live,
                               "stage3_prefetch_bucket_size": args.prefetch}}
+    if args.state_dtype != "fp32":
+        out.setdefault("offload", {})["state_dtype"] = args.state_dtype
+    if args.gradient_tier != "auto":
+        out.setdefault("offload", {})["gradient_tier"] = args.gradient_tier
+    if args.bf16:
+        out["bf16"] = {"enabled": True}
+    return out
 
 
 def _io(engine) -> tuple[int, int]:
@@ -102,7 +111,9 @@ def run(args) -> dict:
     engine, _, _, _ = initialize(model=model, config=config)
     setup_s = time.perf_counter() - t0
     after_setup = proc_status()
-    print(f"set-up {setup_s:.0f} s; VmHWM {after_setup['VmHWM'] / GIB:.2f} GiB", flush=True)
+    grad_tier = "nvme" if engine.adam.storage.grads_tier is not None else "host"
+    print(f"set-up {setup_s:.0f} s; VmHWM {after_setup['VmHWM'] / GIB:.2f} GiB; gradient accumulators: {grad_tier}",
+          flush=True)
     steps = []
     span = args.batch * (args.seq + 1)
     try:
@@ -130,7 +141,7 @@ def run(args) -> dict:
     return {"argv": sys.argv[1:], "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "params": n, "same_batch": args.same_batch, "gpt": {"vocab_size": gcfg.vocab_size, "n_layer": gcfg.n_layer, "n_embd": gcfg.n_embd,
                                  "n_head": gcfg.n_head, "seq": args.seq, "batch": args.batch},
-            "config": config, "setup_seconds": setup_s, "baseline": base, "after_setup": after_setup,
+            "config": config, "gradient_tier": grad_tier, "setup_seconds": setup_s, "baseline": base, "after_setup": after_setup,
             "steps": steps, "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "baseline_rss_bytes": base["VmRSS"]}
 
@@ -157,8 +168,12 @@ def report(result: dict) -> str:
              f"compute copy: {20 * n / GIB:.1f} GiB; machine memory: "
              f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.1f} GiB",
              f"- batch {g['batch']} x {g['seq']} tokens ("
-             f"{'the same window every step' if result['same_batch'] else 'consecutive windows of the corpus'}), fp32, "
+             f"{'the same window every step' if result['same_batch'] else 'consecutive windows of the corpus'}), "
+             f"{'bf16' if result['config'].get('bf16', {}).get('enabled') else 'fp32'} compute and param shards, "
+             f"optimizer states {result['config'].get('offload', {}).get('state_dtype', 'fp32')}, "
              f"AdamW lr {result['config']['optimizer']['params']['lr']}, gradient clipping 1.0",
+             f"- gradient accumulators (offload.gradient_tier "
+             f"{result['config'].get('offload', {}).get('gradient_tier', 'auto')}): {result.get('gradient_tier', 'host')}",
              f"- set-up (materialize + first NVMe writes): {result['setup_seconds']:.0f} s; "
              f"VmHWM after set-up {result['after_setup']['VmHWM'] / GIB:.2f} GiB", "",
              "| step | loss | step s | fetch wait s | optimizer I/O wait s | read GB | written GB | VmRSS GiB | VmHWM GiB |",
@@ -181,6 +196,34 @@ def report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _label(result: dict) -> str:
+    c = result["config"]
+    return (f"{'bf16' if c.get('bf16', {}).get('enabled') else 'fp32'} shards, "
+            f"{c.get('offload', {}).get('state_dtype', 'fp32')} states, gradients {result.get('gradient_tier', 'host')}")
+
+
+def compare(base: dict, new: dict) -> str:
+    """Two runs of the same model (say fp32 states and shards, then int8 states and bf16 shards): the median
+    step time after the first (which also records the fetch order) and the bytes each moved, as ratios."""
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+    rows = []
+    for r in (base, new):
+        later = r["steps"][1:] or r["steps"]
+        rows.append((_label(r), med([s["seconds"] for s in later]), med([s["bytes_read"] for s in later]),
+                     med([s["bytes_written"] for s in later]), max(s["VmHWM"] for s in r["steps"]), r["when"]))
+    lines = [f"## {new['params'] / 1e9:.2f} B params: {rows[1][0]} against {rows[0][0]}", "",
+             "| run | step s (median of steps 2..) | read GB / step | written GB / step | VmHWM GiB | when |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {lab} | {t:.1f} | {rd / 1e9:.1f} | {wr / 1e9:.1f} | {hwm / GIB:.2f} | {when} |"
+              for lab, t, rd, wr, hwm, when in rows]
+    (_, t0, r0, w0, _, _), (_, t1, r1, w1, _, _) = rows
+    lines += ["", f"Step time {t1 / t0:.2f}x the first run's; bytes read {r1 / r0:.2f}x, written {w1 / w0:.2f}x."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-layer", type=int, default=30)
@@ -194,10 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-live", type=int, default=100_000_000, help="stage3_max_live_parameters and reuse distance")
     ap.add_argument("--prefetch", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
     ap.add_argument("--nvme-path", default="/tmp")
+    ap.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"), help="offload.state_dtype")
+    ap.add_argument("--bf16", action="store_true", help="compute (and stage 3 param shards) in bf16")
+    ap.add_argument("--gradient-tier", default="auto", choices=("auto", "host", "nvme"), help="offload.gradient_tier")
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--report-from", help="only write the report, from a JSON this script wrote")
     ap.add_argument("--out", help="the Markdown report")
+    ap.add_argument("--compare", nargs=2, metavar=("BASE.json", "NEW.json"),
+                    help="only compare two runs this script wrote (step time and bytes per step, as ratios)")
     args = ap.parse_args(argv)
+    if args.compare:
+        text = compare(*(json.loads(Path(f).read_text()) for f in args.compare))
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text)
+        return 0
     if args.report_from:
         result = json.loads(Path(args.report_from).read_text())
     else:

@@ -1,0 +1,154 @@
+"""Stage 3's gradient accumulators on NVMe: a window of them in host memory, the rest on disk.
+
+[Note: gradient tier] A sub-group's fp32 accumulator (4 bytes per element of the partition) is
+written as backward lands its buckets and read once, by the sub-group's Adam pass. Resident
+(``offload.gradient_tier`` "host") they are the largest part of a large model's host memory:
+8.8 GiB of the 2.37B GPT's 12.45 GiB peak, and at 5B they alone exceed 16 GiB. With "nvme" they
+are regions of the optimizer's tier like the state blocks, moved by the same ``HostWindow``:
+
+- landing: a sub-group's accumulator is brought in when its first piece lands, without a read
+  at a cycle's first micro-step (``tier.claim``: it is about to be overwritten), with one at
+  later micro-steps (they add to it); once every piece of it has landed this micro-step it is
+  marked dirty and evicted (written back while backward goes on). Backward lands the partition
+  in reverse order, so one or two accumulators are in host memory at a time;
+- the step: each sub-group's accumulator is prefetched beside its state block, read by the pass,
+  and then dropped (clean: its evict writes nothing).
+
+So the gradients cost 4 bytes per parameter written and 4 read per step on NVMe (more at each
+extra micro-step) and host memory for ``window`` of them. The clip norm is unchanged: it is
+summed as the gradients land ([Note: landing] in offload.zero.optimizer). "auto" chooses NVMe
+for stage 3 with the optimizer on NVMe when the accumulators alone exceed the host budget the
+state window is sized from (``gradients_on_nvme``); ``offload estimate`` says which applies.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from csrc import ConfigError
+from offload.zero.layout import FlatLayout
+from offload.zero.window import HostWindow, budget_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GradTier", "gradients_on_nvme"]
+
+F32 = 4
+
+
+class GradPlace(enum.Enum):
+    """Where a sub-group's accumulator is (the window's three states, and HOST before the first evict)."""
+
+    HOST = "host"
+    NVME = "nvme"
+    IN_FLIGHT = "in_flight"
+    RESIDENT = "resident"
+
+
+def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partition_numel: int,
+                      host_memory_bytes: int | None, log: bool = True) -> bool:
+    """Whether ``offload.gradient_tier`` puts the accumulators on NVMe ([Note: gradient tier]).
+    "nvme" in a config that cannot (not stage 3 with the optimizer on NVMe) was refused when it was read."""
+    if setting == "nvme":
+        return True
+    if setting != "auto" or stage != 3 or not optimizer_nvme:
+        return False
+    need = F32 * partition_numel
+    budget, source = budget_bytes(host_memory_bytes)
+    if budget is None:
+        return False
+    nvme = need > budget
+    if log:
+        logger.info("offload.gradient_tier auto: %s (fp32 accumulators %.2f GB %s the %.2f GB budget from %s)",
+                    "nvme" if nvme else "host", need / 1e9, "exceed" if nvme else "fit in", budget / 1e9, source)
+    return nvme
+
+
+class GradTier:
+    """The accumulators of every sub-group as tier regions ``grad.<sg>``, at most ``window`` in host memory."""
+
+    def __init__(self, tier: Any, layout: FlatLayout, *, window: int, name) -> None:
+        self.tier = tier
+        self.layout = layout
+        self._name = name
+        self._place = [GradPlace.HOST for _ in layout.sub_groups]
+        self._left = [len(sg.pieces) for sg in layout.sub_groups]  # pieces still to land this micro-step
+        self._window = HostWindow(tier, self._place, GradPlace, size=max(2, window), name=name,
+                                  label=lambda sg: f"sub-group {sg}'s gradients", noun="gradient blocks")
+
+    @property
+    def io_wait_seconds(self) -> float:
+        return self._window.io_wait_seconds
+
+    def _view(self, sg: int) -> torch.Tensor:
+        if self._place[sg] != GradPlace.RESIDENT:
+            raise ConfigError(f"sub-group {sg}'s gradients are {self._place[sg].value}: bring them in first")
+        return torch.frombuffer(self.tier.host_view(self._name(sg)), dtype=torch.float32,
+                                count=self.layout.sub_groups[sg].numel)
+
+    def allocate(self, sg: int) -> None:
+        """A new accumulator, zeroed and sent to NVMe (so a read finds written, checksummed bytes)."""
+        self._window.make_room()
+        self.tier.allocate(self._name(sg), F32 * self.layout.sub_groups[sg].numel)
+        self._place[sg] = GradPlace.RESIDENT
+        self._view(sg).zero_()
+        self._window.evict(sg)
+
+    def adopt(self) -> None:
+        """A resume: the accumulators the killed process left, wherever the daemon holds them, to NVMe."""
+        names = [self._name(sg.index) for sg in self.layout.sub_groups]
+        held = [n for n in names if self.tier.info(n).tier.value != "nvme"]
+        if held:
+            self.tier.wait_for_evict(self.tier.evict(held))
+        self._place[:] = [GradPlace.NVME for _ in self.layout.sub_groups]
+        self._left = [len(sg.pieces) for sg in self.layout.sub_groups]
+
+    def for_landing(self, sg: int, first: bool) -> torch.Tensor:
+        """The accumulator a piece lands in: claimed without a read at a cycle's first micro-step."""
+        self._window.bring_in(sg, read=not first)
+        return self._view(sg)
+
+    def landed(self, sg: int) -> None:
+        """One piece of ``sg`` landed; after its last one this micro-step, write it back."""
+        self._left[sg] -= 1
+        if self._left[sg] == 0:
+            self._left[sg] = len(self.layout.sub_groups[sg].pieces)
+            self.tier.mark_dirty(self._name(sg))
+            self._window.evict(sg)
+
+    def prefetch(self, sgs: Iterable[int]) -> None:
+        self._window.prefetch(sgs)
+
+    def acquire(self, sg: int) -> torch.Tensor:
+        """The accumulator for ``sg``'s Adam pass, waiting for (or starting) its prefetch."""
+        self._window.bring_in(sg)
+        return self._view(sg)
+
+    def release(self, sg: int) -> None:
+        """Done reading: its host copy goes (clean, nothing written)."""
+        if self._place[sg] == GradPlace.RESIDENT:
+            self._window.evict(sg)
+
+    def cancel(self) -> None:
+        """Give back accumulators prefetched for a step that will not run (an fp16 overflow)."""
+        for sg, where in enumerate(self._place):
+            if where == GradPlace.IN_FLIGHT and sg not in self._window.evicting:
+                self.acquire(sg)
+            self.release(sg)
+
+    def drain(self) -> None:
+        self._window.drain()
+
+    def poll(self) -> None:
+        self._window.poll()
+
+    def settle(self) -> None:
+        self._window.settle("gradients of sub-group")
+
+
+def grad_window_bytes(grad_bytes: Sequence[int], window: int) -> int:
+    """Host memory the window of accumulators holds at most: ``window`` of the largest."""
+    return sum(sorted(grad_bytes, reverse=True)[:max(2, window)])

@@ -1,0 +1,159 @@
+"""Stage 3's gradient accumulators on NVMe (offload.gradient_tier, [Note: gradient tier] in
+offload.zero.grad_tier): the same training, bit for bit, as with resident accumulators, while
+no accumulator holds host memory between steps; "auto" chooses by the host budget; the config
+errors name the key."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csrc import ConfigError
+from offload import initialize
+from offload.config import read_config
+from tests.offload import stage3_worker as w
+
+STEPS = 6
+
+
+def _config(tmp_path, tier: str, *, param_device: str = "nvme", gas: int = 1, state_dtype: str = "fp32",
+            **offload) -> dict:
+    config = w.config("nvme", param_device, str(tmp_path))
+    config["train_batch_size"] = w.GLOBAL_BATCH * gas
+    config["gradient_accumulation_steps"] = gas
+    config["offload"] = {"gradient_tier": tier, "state_dtype": state_dtype, **offload}
+    return config
+
+
+def _train(config: dict, *, gas: int = 1, inspect=None):
+    net = w.model()
+    engine, _, _, _ = initialize(model=net, config=config)
+    try:
+        losses = []
+        for i, (ids, targets) in enumerate(w.batches(STEPS * gas)):
+            loss = engine(ids, targets)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if inspect is not None and (i + 1) % gas == 0:
+                inspect(engine)
+        with engine.stage3.coordinator.gathered():
+            params = [p.detach().clone() for p in net.parameters()]
+        return losses, params, engine.adam.storage.grads_tier is not None
+    finally:
+        engine.close()
+
+
+def _grads_all_on_nvme(engine) -> None:
+    """After a step: every accumulator is on NVMe (none holds host memory), and has an NVMe copy."""
+    storage = engine.adam.storage
+    storage.drain()
+    for sg in engine.layout.sub_groups:
+        assert storage.tier.info(f"grad.{sg.index}").tier.value == "nvme", sg.index
+
+
+@pytest.mark.parametrize("param_device,gas,state_dtype", [
+    ("nvme", 1, "fp32"), ("cpu", 2, "fp32"), ("nvme", 2, "int8"), ("cpu", 1, "bf16")])
+def test_gradients_on_nvme_train_bit_equal_to_resident_ones(tmp_path, param_device, gas, state_dtype):
+    """Clipping on; with two micro-steps the second adds to what the first wrote back (a read)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    host = _train(_config(tmp_path / "a", "host", param_device=param_device, gas=gas, state_dtype=state_dtype),
+                  gas=gas)
+    nvme = _train(_config(tmp_path / "b", "nvme", param_device=param_device, gas=gas, state_dtype=state_dtype),
+                  gas=gas, inspect=_grads_all_on_nvme)
+    assert host[2] is False and nvme[2] is True
+    assert nvme[0] == host[0]
+    assert all(torch.equal(a, b) for a, b in zip(nvme[1], host[1]))
+    assert host[0][-1] < host[0][0]
+
+
+def test_the_accumulators_are_written_and_read_through_nvme(tmp_path):
+    """Bytes moved by the optimizer's tier grow by the accumulators: written once a step (each landed
+    block goes back), read once (the step's pass), beside the state blocks."""
+    moved, seen = {}, []
+
+    def io(engine):
+        s = engine.adam.storage.tier.stats()
+        seen.append((s.bytes_read_total, s.bytes_written_total))
+
+    for tier in ("host", "nvme"):
+        (tmp_path / tier).mkdir()
+        seen.clear()
+        _train(_config(tmp_path / tier, tier), inspect=io)
+        (r0, w0), (r1, w1) = seen[-2], seen[-1]
+        moved[tier] = (r1 - r0, w1 - w0)
+    grad_bytes = 4 * sum(sg.numel for sg in _layout(tmp_path))
+    assert moved["nvme"][0] - moved["host"][0] >= grad_bytes  # read: the step's pass
+    assert moved["nvme"][1] - moved["host"][1] >= grad_bytes  # written: landed blocks going back
+
+
+def _layout(tmp_path):
+    net = w.model()
+    (tmp_path / "l").mkdir(exist_ok=True)
+    engine, _, _, _ = initialize(model=net, config=_config(tmp_path / "l", "host"))
+    try:
+        return list(engine.layout.sub_groups)
+    finally:
+        engine.close()
+
+
+def test_auto_chooses_by_the_host_budget(tmp_path, monkeypatch):
+    """Without offload.host_memory_bytes the budget is half the memory available: made smaller than the
+    accumulators here, "auto" puts them on NVMe; left as it is, in host memory. The same training."""
+    from offload.zero import window
+
+    grad_bytes = 4 * sum(sg.numel for sg in _layout(tmp_path))
+    (tmp_path / "small").mkdir()
+    (tmp_path / "large").mkdir()
+    large = _train(_config(tmp_path / "large", "auto"))
+    monkeypatch.setattr(window, "available_bytes", lambda: 2 * grad_bytes - 2)
+    small = _train(_config(tmp_path / "small", "auto"))
+    assert small[2] is True and large[2] is False
+    assert small[0] == large[0]
+
+
+def test_auto_keeps_stages_0_to_2_and_a_cpu_optimizer_resident():
+    from offload.zero.grad_tier import gradients_on_nvme
+
+    tiny = {"partition_numel": 10 ** 9, "host_memory_bytes": 1 << 20}
+    assert gradients_on_nvme("auto", stage=3, optimizer_nvme=True, **tiny)
+    assert not gradients_on_nvme("auto", stage=2, optimizer_nvme=True, **tiny)
+    assert not gradients_on_nvme("auto", stage=3, optimizer_nvme=False, **tiny)
+    assert not gradients_on_nvme("host", stage=3, optimizer_nvme=True, **tiny)
+    assert not gradients_on_nvme("auto", stage=3, optimizer_nvme=True, partition_numel=1000,
+                                 host_memory_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("zero", [{"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+                                  {"stage": 3, "offload_optimizer": {"device": "cpu"}}])
+def test_nvme_gradients_outside_stage3_with_nvme_optimizer_are_an_error_naming_the_key(zero):
+    with pytest.raises(ConfigError, match=r"offload.gradient_tier \"nvme\" needs zero_optimization.stage 3"):
+        read_config({"train_batch_size": 8, "zero_optimization": zero, "offload": {"gradient_tier": "nvme"}}, world_size=1)
+
+
+def test_an_unknown_gradient_tier_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match="gradient_tier"):
+        read_config({"train_batch_size": 8, "offload": {"gradient_tier": "disk"}}, world_size=1)
+
+
+def test_the_estimate_moves_the_accumulators_to_nvme_and_says_so():
+    """A 2.36B GPT at stage 3, everything on NVMe, an 8 GiB host budget: "host" keeps 4 bytes per parameter
+    resident (more than the budget), "nvme" moves them to the swap and into the window, which stays within
+    the budget, and "auto" picks nvme (they exceed the budget)."""
+    from offload.estimate import GRADS_ON_NVME_PART, EstimateInput, estimate, gpt_shapes
+
+    shapes = gpt_shapes(vocab_size=69, n_layer=30, n_embd=2560, seq=32, batch=2, tied_head=True)
+    rows = {}
+    for tier in ("host", "nvme", "auto"):
+        inp = EstimateInput(shapes=shapes, compute_bytes=2, state_dtype="int8", gradient_tier=tier,
+                            host_memory_bytes=8 << 30)
+        rows[tier] = estimate(inp, stages=(3,)).row(stage=3, optimizer="nvme", param="nvme")
+    grads = dict((what, n) for what, _, n in rows["host"].parts)["fp32 gradient accumulators"]
+    assert grads >= 4 * shapes.params
+    nvme = {what: (where, n) for what, where, n in rows["nvme"].parts}
+    assert nvme[GRADS_ON_NVME_PART] == ("nvme", grads)
+    assert rows["nvme"].nvme_bytes == rows["host"].nvme_bytes + grads
+    window = [n for what, where, n in rows["nvme"].parts if what.startswith("state window") and where == "host"]
+    assert len(window) == 1 and window[0] <= 8 << 30  # the window takes the budget, accumulators and all
+    assert rows["host"].host_bytes > grads > 8 << 30 and rows["nvme"].host_bytes < rows["host"].host_bytes
+    assert rows["auto"] == rows["nvme"]
