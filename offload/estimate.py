@@ -283,7 +283,7 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
     floor = max(2, inp.optimizer_buffer_count)
     if gradients_on_nvme(inp.gradient_tier, stage=stage, optimizer_nvme=True, partition_numel=partition,
                          host_memory_bytes=inp.host_memory_bytes, log=False):  # [Note: gradient tier]
-        items = [s + _up(4 * n, PAGE) for s, n in zip(states, numels)]
+        items = [2 * max(states + [_up(4 * n, PAGE) for n in numels])] * len(numels)  # offload.tiers.plan_bytes
         floor = max(floor, 2 + -(-unit_partition // max(numels, default=1)))  # offload.state_window's floor
         blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
             items, floor=floor, fixed_bytes=0, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)

@@ -88,6 +88,8 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
               host_memory_bytes: int | None, swap_capacity_bytes: int | None, checksum: bool) -> Tier:
     """Open the daemon session or the embedded store for ``plan``."""
     host_bytes = host_memory_bytes or plan.resident_bytes
+    if plan.segment_bytes and not daemon_socket:  # whole segments ([Note: one region a segment])
+        host_bytes = max(plan.resident_bytes, host_bytes // plan.segment_bytes * plan.segment_bytes)
     if host_bytes < plan.resident_bytes:
         raise ConfigError(f"offload.host_memory_bytes ({host_bytes}) is below the {plan.resident_bytes} bytes "
                           "the optimizer state needs in host memory at once; raise it or lower sub_group_size")
@@ -145,14 +147,21 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
     block per sub-group, fp32 three times that unless ``state_bytes`` gives each block's size
     (``offload.state_dtype``, ``offload.zero.state_format``); with nvme only ``window`` blocks are held.
     ``grads_nvme`` (``offload.gradient_tier``, [Note: gradient tier] in offload.zero.grad_tier): the grad
-    regions go to NVMe too, ``window`` of them held (``state_bytes`` of the plan are then each sub-group's
-    block and accumulator together, what one place in the window holds)."""
+    regions go to NVMe too, ``window`` of them held. Then the embedded pool is cut into segments of the
+    largest region ([Note: one region a segment]) and a place in the window is two of them (the plan's
+    ``state_bytes`` are what one place holds)."""
     grads = [4 * n for n in numels]
     states = list(state_bytes) if state_bytes is not None else [12 * n for n in numels]
     if grads_nvme and not nvme:
         raise ValueError("grads_nvme needs nvme")
-    per_item = [align_up(s, PAGE) + (align_up(g, PAGE) if grads_nvme else 0) for g, s in zip(grads, states)]
-    resident = 0 if grads_nvme else sum(align_up(g, PAGE) for g in grads)
+    if grads_nvme:
+        segment = max((align_up(b, PAGE) for b in grads + states), default=PAGE)
+        per_item = [2 * segment for _ in numels]
+        swap = sum(align_up(b, PAGE) for b in grads + states)
+        return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=window * 2 * segment,
+                        swap_bytes=swap, nvme_path=nvme_path, state_bytes=tuple(per_item), segment_bytes=segment)
+    per_item = [align_up(s, PAGE) for s in states]
+    resident = sum(align_up(g, PAGE) for g in grads)
     if nvme:
         resident += sum(sorted(per_item, reverse=True)[:window])
     else:
@@ -160,3 +169,13 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
     swap = sum(per_item) if nvme else 0
     return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=resident, swap_bytes=swap,
                     nvme_path=nvme_path, state_bytes=tuple(per_item))
+
+
+# [Note: one region a segment]
+# With the gradient tier on NVMe the window moves regions of two sizes (state blocks and gradient
+# accumulators), and a first-fit pool sized to their sum fragments: the 5.03B GPT's first step failed
+# with 16 MiB free in the pool but no run that long. So the embedded pool is cut into segments of the
+# largest region, and a place in the window is two segments: a region never spans two segments, each
+# region held uses at most one, and with at most 2 x window - 1 others held a segment is empty, so
+# every allocation finds room (the cost: int8 states, 24 MiB a block and 16 MiB an accumulator, take
+# 48 MiB a place instead of 40).

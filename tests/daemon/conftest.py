@@ -7,6 +7,7 @@ a 1 s delay in the double, a 4 KiB-block, depth-1 thread engine on the real stor
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -95,6 +96,7 @@ def start_daemon(slow: bool = False, swap_paths: int = 1, env: dict | None = Non
                  **tables: dict) -> DaemonProcess:
     """A daemon process on a fresh config; with ``wait``, once it answers STATUS."""
     workdir = tempfile.mkdtemp(prefix="ofl-d-", dir="/tmp")  # short: AF_UNIX paths are <= 107 bytes
+    atexit.register(shutil.rmtree, workdir, True)  # after the run: tests read a stopped daemon's log
     if slow and STORE == "swap":
         tables.setdefault("io", {}).update(kind="threads", block_size_bytes=4096, queue_depth=1, num_threads=1)
     config = write_config(workdir, swap_paths, **tables)

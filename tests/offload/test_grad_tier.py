@@ -157,3 +157,29 @@ def test_the_estimate_moves_the_accumulators_to_nvme_and_says_so():
     assert len(window) == 1 and window[0] <= 8 << 30  # the window takes the budget, accumulators and all
     assert rows["host"].host_bytes > grads > 8 << 30 and rows["nvme"].host_bytes < rows["host"].host_bytes
     assert rows["auto"] == rows["nvme"]
+
+
+def test_the_pool_never_fragments_between_blocks_and_accumulators(tmp_path):
+    """[Note: one region a segment]: a window of 2 places, 24 KiB state blocks and 16 KiB accumulators.
+    Freed in this order, a first-fit pool of the same bytes would hold 24 KiB free in no run long enough
+    for the third block; with one region a segment every allocation finds room while at most 2 x window
+    regions are held."""
+    from offload.config_sections import AioConfig
+    from offload.tiers import open_tier, plan_bytes
+
+    plan = plan_bytes([4096] * 4, window=2, nvme=True, nvme_path=str(tmp_path), state_bytes=[24 << 10] * 4,
+                      grads_nvme=True)
+    assert plan.segment_bytes == 24 << 10 and plan.resident_bytes == 4 * (24 << 10)
+    tier = open_tier(plan, daemon_socket=None, job_id="t", rank=0, aio=AioConfig(), host_memory_bytes=None,
+                     swap_capacity_bytes=None, checksum=False)
+    store = tier.store
+    try:
+        sizes = {"s1": 24 << 10, "s2": 24 << 10, "g1": 16 << 10, "g2": 16 << 10, "g3": 16 << 10, "s3": 24 << 10}
+        for step in ("s1", "s2", "g1", "g2", "-s1", "g3", "-g1", "s3"):
+            if step.startswith("-"):
+                store.free(step[1:])
+            else:
+                store.allocate(step, sizes[step])
+        assert sorted(store.names()) == ["g2", "g3", "s2", "s3"]
+    finally:
+        tier.close()

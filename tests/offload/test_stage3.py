@@ -210,12 +210,13 @@ def test_two_ranks_match_torch(tmp_path, opt_device, param_device):
         assert torch.equal(q, r)
 
 
-@pytest.mark.parametrize("param_device", ["cpu", "nvme"])
-def test_checkpoint_resume_is_the_uninterrupted_run(tmp_path, param_device):
+@pytest.mark.parametrize("param_device,grads", [("cpu", "host"), ("nvme", "host"), ("nvme", "nvme")])
+def test_checkpoint_resume_is_the_uninterrupted_run(tmp_path, param_device, grads):
     """Stage 3, optimizer on NVMe: save at step 10, load into a fresh engine, go on to 20: the same losses
-    and weights bit for bit as one run to 20 (fp32)."""
+    and weights bit for bit as one run to 20 (fp32); also with the gradient accumulators on NVMe."""
     data = w.batches(STEPS)
     config = w.config("nvme", param_device, str(tmp_path))
+    config["offload"] = {"gradient_tier": grads}
 
     def engine_for():
         net = w.model()
