@@ -44,6 +44,8 @@ class TierPlan:
     """Directory for the swap file (nvme)."""
     segment_bytes: int | None = None
     """Bytes per host pool segment of the embedded store (a region never spans two); None: one segment."""
+    slot_bytes: int | None = None
+    """Every region of the embedded store padded to this in its pool ([Note: one slot a region])."""
 
 
 @dataclasses.dataclass
@@ -88,8 +90,8 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
               host_memory_bytes: int | None, swap_capacity_bytes: int | None, checksum: bool) -> Tier:
     """Open the daemon session or the embedded store for ``plan``."""
     host_bytes = host_memory_bytes or plan.resident_bytes
-    if plan.segment_bytes and not daemon_socket:  # whole segments ([Note: one region a segment])
-        host_bytes = max(plan.resident_bytes, host_bytes // plan.segment_bytes * plan.segment_bytes)
+    if plan.slot_bytes and not daemon_socket:  # whole slots ([Note: one slot a region])
+        host_bytes = max(plan.resident_bytes, host_bytes // plan.slot_bytes * plan.slot_bytes)
     if host_bytes < plan.resident_bytes:
         raise ConfigError(f"offload.host_memory_bytes ({host_bytes}) is below the {plan.resident_bytes} bytes "
                           "the optimizer state needs in host memory at once; raise it or lower sub_group_size")
@@ -109,7 +111,8 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
     config = TierStoreConfig(checksum="crc32c" if checksum else "none")
     if not plan.nvme:
         store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[],
-                                 swap_capacity_bytes=0, segment_bytes=plan.segment_bytes, config=config)
+                                 swap_capacity_bytes=0, segment_bytes=plan.segment_bytes, config=config,
+                                 slot_bytes=plan.slot_bytes)
         return Tier(store, "embedded TierStore (host memory)")
     swap_bytes = swap_capacity_bytes or plan.swap_bytes
     if swap_bytes < plan.swap_bytes:
@@ -121,7 +124,8 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
                                        num_threads=aio.intra_op_parallelism, probe_paths=(swap_dir,))
         store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[swap_dir],
                                  swap_capacity_bytes=align_up(swap_bytes, PAGE), engine_config=engine_config,
-                                 segment_bytes=plan.segment_bytes, config=config)
+                                 segment_bytes=plan.segment_bytes, config=config,
+                                 slot_bytes=plan.slot_bytes)
     except BaseException:
         shutil.rmtree(swap_dir, ignore_errors=True)
         raise
@@ -147,19 +151,19 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
     block per sub-group, fp32 three times that unless ``state_bytes`` gives each block's size
     (``offload.state_dtype``, ``offload.zero.state_format``); with nvme only ``window`` blocks are held.
     ``grads_nvme`` (``offload.gradient_tier``, [Note: gradient tier] in offload.zero.grad_tier): the grad
-    regions go to NVMe too, ``window`` of them held. Then the embedded pool is cut into segments of the
-    largest region ([Note: one region a segment]) and a place in the window is two of them (the plan's
-    ``state_bytes`` are what one place holds)."""
+    regions go to NVMe too, ``window`` of them held. Then every region takes a slot of the largest one's
+    size in the embedded pool ([Note: one slot a region]) and a place in the window is two slots (the
+    plan's ``state_bytes`` are what one place holds)."""
     grads = [4 * n for n in numels]
     states = list(state_bytes) if state_bytes is not None else [12 * n for n in numels]
     if grads_nvme and not nvme:
         raise ValueError("grads_nvme needs nvme")
     if grads_nvme:
-        segment = max((align_up(b, PAGE) for b in grads + states), default=PAGE)
-        per_item = [2 * segment for _ in numels]
+        slot = max((align_up(b, PAGE) for b in grads + states), default=PAGE)
+        per_item = [2 * slot for _ in numels]
         swap = sum(align_up(b, PAGE) for b in grads + states)
-        return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=window * 2 * segment,
-                        swap_bytes=swap, nvme_path=nvme_path, state_bytes=tuple(per_item), segment_bytes=segment)
+        return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=window * 2 * slot,
+                        swap_bytes=swap, nvme_path=nvme_path, state_bytes=tuple(per_item), slot_bytes=slot)
     per_item = [align_up(s, PAGE) for s in states]
     resident = sum(align_up(g, PAGE) for g in grads)
     if nvme:
@@ -171,11 +175,12 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
                     nvme_path=nvme_path, state_bytes=tuple(per_item))
 
 
-# [Note: one region a segment]
+# [Note: one slot a region]
 # With the gradient tier on NVMe the window moves regions of two sizes (state blocks and gradient
 # accumulators), and a first-fit pool sized to their sum fragments: the 5.03B GPT's first step failed
-# with 16 MiB free in the pool but no run that long. So the embedded pool is cut into segments of the
-# largest region, and a place in the window is two segments: a region never spans two segments, each
-# region held uses at most one, and with at most 2 x window - 1 others held a segment is empty, so
-# every allocation finds room (the cost: int8 states, 24 MiB a block and 16 MiB an accumulator, take
-# 48 MiB a place instead of 40).
+# with 16 MiB free in the pool but no run that long. So every region of the embedded pool is padded
+# to one slot, the largest region's size, and a place in the window is two slots: blocks of one size
+# leave holes any other fits, so with at most 2 x window regions held every allocation finds room
+# (the cost: with int8 states, a 24 MiB block and a 16 MiB accumulator take 48 MiB a place, not 40).
+# (Segments of one region each did the same, but hundreds of them overflow io_uring's table of
+# registered buffers.)

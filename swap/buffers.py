@@ -110,6 +110,9 @@ class HostPoolConfig:
     """Name given to the memfds (seen in /proc/<pid>/fd and /proc/<pid>/maps)."""
     huge_pages: str = "off"
     """Page size of the segments: "off", "auto", "hugetlb" or "thp" (see [Note: huge pages])."""
+    slot_bytes: int | None = None
+    """Every block padded to a multiple of this (a multiple of 4096; None: of 4096). Blocks of one
+    size never fragment a first-fit pool: a freed block is a hole any other fits."""
 
     def __post_init__(self) -> None:
         if self.huge_pages not in HUGE_PAGE_MODES:
@@ -124,6 +127,8 @@ class HostPoolConfig:
             raise ConfigError(f"capacity_bytes ({self.capacity_bytes}) must be a multiple of "
                               f"segment_bytes ({seg})")
         object.__setattr__(self, "segment_bytes", seg)
+        if self.slot_bytes is not None and (self.slot_bytes <= 0 or self.slot_bytes % ALIGNMENT_BYTES):
+            raise ConfigError(f"slot_bytes must be a positive multiple of {ALIGNMENT_BYTES}, got {self.slot_bytes}")
 
 
 class HostBlock(NamedTuple):
@@ -242,7 +247,7 @@ class HostPool:
         """A block of at least ``nbytes`` (padded to 4096); ``TierFullError`` naming ``what`` if none fits."""
         if nbytes <= 0:
             raise ConfigError(f"{what}: nbytes must be > 0, got {nbytes}")
-        size = align_up(nbytes, ALIGNMENT_BYTES)
+        size = align_up(nbytes, self.config.slot_bytes or ALIGNMENT_BYTES)
         if size > self.config.segment_bytes:
             raise TierFullError(f"{what} needs {size} bytes of host memory, more than one segment holds "
                                 f"(segment_bytes={self.config.segment_bytes})")

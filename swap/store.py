@@ -113,13 +113,15 @@ class TierStore:
     @classmethod
     def create(cls, *, host_capacity_bytes: int, swap_paths: Iterable[str], swap_capacity_bytes: int,
                segment_bytes: int | None = None, engine_config: IoEngineConfig | None = None,
-               config: TierStoreConfig | None = None) -> "TierStore":
+               config: TierStoreConfig | None = None, slot_bytes: int | None = None) -> "TierStore":
         """A store that makes (and on close, closes) its own pool, engine and swap space.
 
-        No ``swap_paths`` makes a host-only store (no engine, no swap space)."""
+        No ``swap_paths`` makes a host-only store (no engine, no swap space). ``slot_bytes``: the
+        pool's (``HostPoolConfig.slot_bytes``)."""
         paths = tuple(swap_paths)
         if not paths:
-            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes))
+            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes,
+                                           slot_bytes=slot_bytes))
             store = cls(config or TierStoreConfig(), pool=pool, space=None, engine=None)
             store._owned = [pool]
             return store
@@ -128,7 +130,8 @@ class TierStore:
         try:
             space = SwapSpace(SwapSpaceConfig(paths=paths, capacity_bytes=swap_capacity_bytes), engine=engine)
             parts.append(space)
-            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes))
+            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes,
+                                           slot_bytes=slot_bytes))
             parts.append(pool)
         except BaseException:
             for part in reversed(parts):

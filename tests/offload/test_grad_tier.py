@@ -160,16 +160,16 @@ def test_the_estimate_moves_the_accumulators_to_nvme_and_says_so():
 
 
 def test_the_pool_never_fragments_between_blocks_and_accumulators(tmp_path):
-    """[Note: one region a segment]: a window of 2 places, 24 KiB state blocks and 16 KiB accumulators.
+    """[Note: one slot a region]: a window of 2 places, 24 KiB state blocks and 16 KiB accumulators.
     Freed in this order, a first-fit pool of the same bytes would hold 24 KiB free in no run long enough
-    for the third block; with one region a segment every allocation finds room while at most 2 x window
+    for the third block; with one slot a region every allocation finds room while at most 2 x window
     regions are held."""
     from offload.config_sections import AioConfig
     from offload.tiers import open_tier, plan_bytes
 
     plan = plan_bytes([4096] * 4, window=2, nvme=True, nvme_path=str(tmp_path), state_bytes=[24 << 10] * 4,
                       grads_nvme=True)
-    assert plan.segment_bytes == 24 << 10 and plan.resident_bytes == 4 * (24 << 10)
+    assert plan.slot_bytes == 24 << 10 and plan.resident_bytes == 4 * (24 << 10)
     tier = open_tier(plan, daemon_socket=None, job_id="t", rank=0, aio=AioConfig(), host_memory_bytes=None,
                      swap_capacity_bytes=None, checksum=False)
     store = tier.store
