@@ -390,11 +390,12 @@ def call_sumsq(addrs: array.array, numels: array.array, code: int, *, num_thread
 
 def grad_land(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, accumulate: bool,
               zero_sources: bool = False, num_threads: int | None = None, isa: Isa | str | None = None) -> float:
-    """Land gradients in fp32 accumulators in one pass; return the sum of squares (double) of the result.
+    """Land gradients in accumulators in one pass; return the sum of squares (double) of the result.
 
     ``dst = src`` (``accumulate`` False: the first micro-step) or ``dst += src`` for each pair;
-    ``dsts`` float32, ``srcs`` one dtype among float32/bfloat16/float16, each pair of the same
-    length; with ``zero_sources`` every source is zero afterwards. The sum equals
+    ``dsts`` all float32, or all bfloat16 (the sum taken in fp32, then rounded to nearest even),
+    ``srcs`` one dtype among float32/bfloat16/float16, each pair of the same length; with
+    ``zero_sources`` every source is zero afterwards. The sum is of the values stored: it equals
     ``grad_sumsq(dsts)`` afterwards (the same chunk grid and partials), with any thread count."""
     if len(dsts) != len(srcs):
         raise ConfigError(f"dsts has {len(dsts)} tensors, srcs has {len(srcs)}")
@@ -402,13 +403,17 @@ def grad_land(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, acc
         return 0.0
     code = dtype_code(srcs, "srcs")
     numels = list(map(_NUMEL, dsts))
-    dst_addrs = address_array(dsts, "dsts", torch.float32, None)
+    dst_dtype = dsts[0].dtype
+    if dst_dtype not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"dsts must be float32 or bfloat16 accumulators, got {dst_dtype}")
+    dst_addrs = address_array(dsts, "dsts", dst_dtype, None)
     src_addrs = address_array(srcs, "srcs", srcs[0].dtype, numels)
     out = ffi.new("double *")
+    dst_code = lib.OFL_DTYPE_F32 if dst_dtype == torch.float32 else lib.OFL_DTYPE_BF16
     rc = lib.ofl_grad_land(ffi.from_buffer("uint64_t[]", dst_addrs), ffi.from_buffer("uint64_t[]", src_addrs),
-                           ffi.from_buffer("int64_t[]", array.array("q", numels)), len(numels), code,
-                           int(accumulate), int(zero_sources), resolve_isa(isa),
-                           num_threads or default_num_threads(), out)
+                           ffi.from_buffer("int64_t[]", array.array("q", numels)), len(numels), code, dst_code,
+                           int(accumulate), int(zero_sources), resolve_isa(isa), num_threads or default_num_threads(),
+                           out)
     raise_errno(rc, "ofl_grad_land")
     return float(out[0])
 

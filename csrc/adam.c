@@ -226,10 +226,10 @@ static ofl_land_kernel_fn land_kernel_for(int32_t isa) {
 
 typedef struct {
     const uint64_t *grads;  /* the sources (landing) or the gradients (sum of squares) */
-    const uint64_t *dsts;   /* landing only: the fp32 accumulators; NULL for a plain sum */
+    const uint64_t *dsts;   /* landing only: the accumulators (of dst_dtype); NULL for a plain sum */
     const int64_t *starts;
     int64_t count;
-    int32_t dtype;
+    int32_t dtype, dst_dtype;
     int32_t accumulate, zero_src;
     ofl_sumsq_kernel_fn kernel;
     ofl_land_kernel_fn land;
@@ -246,8 +246,8 @@ static void sumsq_segment(void *ctx, int64_t i, int64_t off, int64_t len) {
     sumsq_job *job = sv->job;
     char *g = (char *)(uintptr_t)job->grads[i] + off * dtype_bytes(job->dtype);
     if (job->dsts)
-        job->land(job->dtype, job->accumulate, job->zero_src, (float *)(uintptr_t)job->dsts[i] + off, g, len,
-                  &job->partial[sv->chunk]);
+        job->land(job->dtype, job->dst_dtype, job->accumulate, job->zero_src,
+                  (char *)(uintptr_t)job->dsts[i] + off * dtype_bytes(job->dst_dtype), g, len, &job->partial[sv->chunk]);
     else
         job->kernel(job->dtype, g, len, &job->partial[sv->chunk]);
 }
@@ -299,20 +299,22 @@ int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t coun
     int32_t resolved;
     if (!rc) rc = resolve_isa(isa, &resolved);
     if (rc) return rc;
-    sumsq_job job = {grads, NULL, NULL, count, dtype, 0, 0, sumsq_kernel_for(resolved), NULL, NULL};
+    sumsq_job job = {grads, NULL, NULL, count, dtype, OFL_DTYPE_F32, 0, 0, sumsq_kernel_for(resolved), NULL, NULL};
     return run_sumsq(&job, numel, num_threads, sumsq_out);
 }
 
 int32_t ofl_grad_land(const uint64_t *dsts, const uint64_t *srcs, const int64_t *numel, int64_t count,
-                      int32_t dtype, int32_t accumulate, int32_t zero_src, int32_t isa,
+                      int32_t dtype, int32_t dst_dtype, int32_t accumulate, int32_t zero_src, int32_t isa,
                       int32_t num_threads, double *sumsq_out) {
-    if ((count > 0 && !dsts) || (accumulate != 0 && accumulate != 1) || (zero_src != 0 && zero_src != 1))
+    if ((count > 0 && !dsts) || (accumulate != 0 && accumulate != 1) || (zero_src != 0 && zero_src != 1) ||
+        (dst_dtype != OFL_DTYPE_F32 && dst_dtype != OFL_DTYPE_BF16))
         return -EINVAL;
     int32_t rc = check_sumsq_args(srcs, dsts, numel, count, dtype, num_threads, sumsq_out);
     int32_t resolved;
     if (!rc) rc = resolve_isa(isa, &resolved);
     if (rc) return rc;
-    sumsq_job job = {srcs, dsts, NULL, count, dtype, accumulate, zero_src, NULL, land_kernel_for(resolved), NULL};
+    sumsq_job job = {srcs, dsts, NULL, count, dtype, dst_dtype, accumulate, zero_src, NULL, land_kernel_for(resolved),
+                     NULL};
     return run_sumsq(&job, numel, num_threads, sumsq_out);
 }
 

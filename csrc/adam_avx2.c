@@ -90,14 +90,23 @@ OFL_AI void sumsq_loop8(int32_t dt, const void *g, int64_t n, double *acc) {
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_avx2, sumsq_loop8)
 
 /* The landing pass; lanes and order as sumsq_loop8, so its partials are the same. */
-OFL_AI void land_loop8(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t n,
+OFL_AI void land_loop8(int32_t dt, int32_t dd, int acc_in, int zero_src, void *dst, void *src, int64_t n,
                        double *acc) {
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 x = load_grad8(dt, src, i);
-        if (acc_in) x = _mm256_add_ps(_mm256_loadu_ps(dst + i), x);
-        _mm256_storeu_ps(dst + i, x);
+        if (dd == OFL_DTYPE_BF16) { /* the fp32 sum rounded to nearest even, and that value summed */
+            __m128i *h = (__m128i *)((uint16_t *)dst + i);
+            if (acc_in)
+                x = _mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16)), x);
+            __m128i r = f32_to_bf16_8(x);
+            _mm_storeu_si128(h, r);
+            x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16));
+        } else {
+            if (acc_in) x = _mm256_add_ps(_mm256_loadu_ps((float *)dst + i), x);
+            _mm256_storeu_ps((float *)dst + i, x);
+        }
         if (zero_src) {
             if (dt == OFL_DTYPE_F32) _mm256_storeu_ps((float *)src + i, _mm256_setzero_ps());
             else _mm_storeu_si128((__m128i *)((uint16_t *)src + i), _mm_setzero_si128());
@@ -106,7 +115,7 @@ OFL_AI void land_loop8(int32_t dt, int acc_in, int zero_src, float *dst, void *s
     }
     double s = lanes_sum8(a0, a1);
     for (; i < n; i++) {
-        double x = ofl_land1(dt, acc_in, zero_src, dst, src, i);
+        double x = ofl_land1(dt, dd, acc_in, zero_src, dst, src, i);
         s += x * x;
     }
     *acc += s;

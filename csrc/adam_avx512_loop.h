@@ -161,12 +161,24 @@ OFL_AI void sumsq_loop16(int32_t dt, const void *g, int64_t n, double *acc) {
 }
 
 /* One vector of the landing pass (see land_loop16). */
-OFL_AI void land16(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t i,
+OFL_AI void land16(int32_t dt, int32_t dd, int acc_in, int zero_src, void *dst, void *src, int64_t i,
                    __mmask16 k, int tail, __m512d *a0, __m512d *a1) {
     __m512 x = load_grad16(dt, src, i, k, tail);
-    if (acc_in) x = _mm512_add_ps(tail ? _mm512_maskz_loadu_ps(k, dst + i) : _mm512_loadu_ps(dst + i), x);
-    if (tail) _mm512_mask_storeu_ps(dst + i, k, x);
-    else _mm512_storeu_ps(dst + i, x);
+    if (dd == OFL_DTYPE_BF16) { /* the fp32 sum rounded to nearest even, and that value summed */
+        uint16_t *h = (uint16_t *)dst + i;
+        if (acc_in)
+            x = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    tail ? _mm256_maskz_loadu_epi16(k, h) : _mm256_loadu_si256((const __m256i *)h)), 16)), x);
+        __m256i r = f32_to_bf16_16(x);
+        if (tail) _mm256_mask_storeu_epi16(h, k, r);
+        else _mm256_storeu_si256((__m256i *)h, r);
+        x = _mm512_maskz_mov_ps(k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
+    } else {
+        float *f = (float *)dst + i;
+        if (acc_in) x = _mm512_add_ps(tail ? _mm512_maskz_loadu_ps(k, f) : _mm512_loadu_ps(f), x);
+        if (tail) _mm512_mask_storeu_ps(f, k, x);
+        else _mm512_storeu_ps(f, x);
+    }
     if (zero_src) {
         if (dt == OFL_DTYPE_F32) {
             if (tail) _mm512_mask_storeu_ps((float *)src + i, k, _mm512_setzero_ps());
@@ -184,13 +196,13 @@ OFL_AI void land16(int32_t dt, int acc_in, int zero_src, float *dst, void *src, 
 }
 
 /* The landing pass; lanes and order as sumsq_loop16, so its partials are the same. */
-OFL_AI void land_loop16(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t n,
+OFL_AI void land_loop16(int32_t dt, int32_t dd, int acc_in, int zero_src, void *dst, void *src, int64_t n,
                         double *acc) {
     __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) land16(dt, acc_in, zero_src, dst, src, i, 0xffff, 0, &a0, &a1);
+    for (; i + 16 <= n; i += 16) land16(dt, dd, acc_in, zero_src, dst, src, i, 0xffff, 0, &a0, &a1);
     if (i < n)
-        land16(dt, acc_in, zero_src, dst, src, i, (__mmask16)((1u << (n - i)) - 1u), 1, &a0, &a1);
+        land16(dt, dd, acc_in, zero_src, dst, src, i, (__mmask16)((1u << (n - i)) - 1u), 1, &a0, &a1);
     *acc += _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
 }
 

@@ -72,18 +72,19 @@ int32_t ofl_effective_threads(int32_t requested, int64_t total);
 /* Sum of squares of n gradient elements, added to *acc. */
 typedef void (*ofl_sumsq_kernel_fn)(int32_t dtype, const void *g, int64_t n, double *acc);
 
-/* Landing of n gradient elements: dst = src (accumulate 0) or dst += src (1), src set to
- * zero once read when zero_src is 1, and the sum of squares of the landed dst added to
- * *acc, with the lanes and order of the ISA's sumsq kernel (the same partials). */
-typedef void (*ofl_land_kernel_fn)(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst,
-                                   void *src, int64_t n, double *acc);
+/* Landing of n gradient elements: dst = src (accumulate 0) or dst += src (1), dst of
+ * dst_dtype F32 or BF16 (the fp32 sum rounded to nearest even), src set to zero once read
+ * when zero_src is 1, and the sum of squares of the landed dst added to *acc, with the
+ * lanes and order of the ISA's sumsq kernel (the same partials). */
+typedef void (*ofl_land_kernel_fn)(int32_t dtype, int32_t dst_dtype, int32_t accumulate, int32_t zero_src,
+                                   void *dst, void *src, int64_t n, double *acc);
 
 int32_t ofl_adam_kernel_scalar(const ofl_adam_coeffs *c, int32_t grad_dtype, int32_t out_dtype,
                                float *p, const void *g, float *m, float *v, void *out,
                                int64_t n);
 void ofl_sumsq_kernel_scalar(int32_t dtype, const void *g, int64_t n, double *acc);
-void ofl_land_kernel_scalar(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst, void *src,
-                            int64_t n, double *acc);
+void ofl_land_kernel_scalar(int32_t dtype, int32_t dst_dtype, int32_t accumulate, int32_t zero_src,
+                            void *dst, void *src, int64_t n, double *acc);
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define OFL_HAVE_X86 1
@@ -103,9 +104,9 @@ int32_t ofl_adam_log_kernel_avx512bf16(const ofl_adam_coeffs *c, int32_t grad_dt
                                        float *op, float *om, float *ov, uint64_t *word, uint64_t base);
 void ofl_sumsq_kernel_avx2(int32_t dtype, const void *g, int64_t n, double *acc);
 void ofl_sumsq_kernel_avx512(int32_t dtype, const void *g, int64_t n, double *acc);
-void ofl_land_kernel_avx2(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst, void *src,
+void ofl_land_kernel_avx2(int32_t dtype, int32_t dst_dtype, int32_t accumulate, int32_t zero_src, void *dst, void *src,
                           int64_t n, double *acc);
-void ofl_land_kernel_avx512(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst, void *src,
+void ofl_land_kernel_avx512(int32_t dtype, int32_t dst_dtype, int32_t accumulate, int32_t zero_src, void *dst, void *src,
                             int64_t n, double *acc);
 #else
 #define OFL_HAVE_X86 0
@@ -260,30 +261,46 @@ typedef int32_t (*ofl_adam_log_kernel_fn)(const ofl_adam_coeffs *c, int32_t grad
         }                                                                   \
     }
 
-/* LAND_LOOP(dtype, accumulate, zero_src, dst, src, n, acc) with all three as constants. */
-#define OFL_LAND_FLAG_CASES(LAND_LOOP, DT)                                   \
+/* LAND_LOOP(dtype, dst_dtype, accumulate, zero_src, dst, src, n, acc) with all four as constants. */
+#define OFL_LAND_FLAG_CASES(LAND_LOOP, DT, DD)                               \
     switch (accumulate * 2 + zero_src) {                                     \
-    case 0: LAND_LOOP(DT, 0, 0, dst, src, n, acc); return;                   \
-    case 1: LAND_LOOP(DT, 0, 1, dst, src, n, acc); return;                   \
-    case 2: LAND_LOOP(DT, 1, 0, dst, src, n, acc); return;                   \
-    default: LAND_LOOP(DT, 1, 1, dst, src, n, acc); return;                  \
+    case 0: LAND_LOOP(DT, DD, 0, 0, dst, src, n, acc); return;               \
+    case 1: LAND_LOOP(DT, DD, 0, 1, dst, src, n, acc); return;               \
+    case 2: LAND_LOOP(DT, DD, 1, 0, dst, src, n, acc); return;               \
+    default: LAND_LOOP(DT, DD, 1, 1, dst, src, n, acc); return;              \
+    }
+
+#define OFL_LAND_SRC_CASES(LAND_LOOP, DD)                                    \
+    switch (dtype) {                                                         \
+    case OFL_DTYPE_F32: OFL_LAND_FLAG_CASES(LAND_LOOP, OFL_DTYPE_F32, DD)     \
+    case OFL_DTYPE_BF16: OFL_LAND_FLAG_CASES(LAND_LOOP, OFL_DTYPE_BF16, DD)   \
+    default: OFL_LAND_FLAG_CASES(LAND_LOOP, OFL_DTYPE_F16, DD)                \
     }
 
 #define OFL_DEFINE_LAND_KERNEL(NAME, LAND_LOOP)                                                  \
-    void NAME(int32_t dtype, int32_t accumulate, int32_t zero_src, float *dst, void *src,         \
-              int64_t n, double *acc) {                                                          \
-        switch (dtype) {                                                                         \
-        case OFL_DTYPE_F32: OFL_LAND_FLAG_CASES(LAND_LOOP, OFL_DTYPE_F32)                         \
-        case OFL_DTYPE_BF16: OFL_LAND_FLAG_CASES(LAND_LOOP, OFL_DTYPE_BF16)                       \
-        default: OFL_LAND_FLAG_CASES(LAND_LOOP, OFL_DTYPE_F16)                                    \
+    void NAME(int32_t dtype, int32_t dst_dtype, int32_t accumulate, int32_t zero_src, void *dst,  \
+              void *src, int64_t n, double *acc) {                                               \
+        if (dst_dtype == OFL_DTYPE_BF16) {                                                       \
+            OFL_LAND_SRC_CASES(LAND_LOOP, OFL_DTYPE_BF16)                                        \
         }                                                                                        \
+        OFL_LAND_SRC_CASES(LAND_LOOP, OFL_DTYPE_F32)                                             \
     }
 
-/* One element of the landing pass; returns the landed value. */
-static inline float ofl_land1(int32_t dtype, int acc_in, int zero_src, float *dst, void *src, int64_t i) {
+/* One element of the landing pass into dst of dst_dtype (F32, or BF16: the fp32 sum rounded
+ * to nearest even); returns the landed value as stored. */
+static inline float ofl_land1(int32_t dtype, int32_t dst_dtype, int acc_in, int zero_src, void *dst, void *src,
+                              int64_t i) {
     float x = ofl_load_grad1(dtype, src, i);
-    if (acc_in) x = dst[i] + x;
-    dst[i] = x;
+    if (dst_dtype == OFL_DTYPE_BF16) {
+        uint16_t *d = (uint16_t *)dst;
+        if (acc_in) x = ofl_bf16_to_f32(d[i]) + x;
+        d[i] = ofl_f32_to_bf16(x);
+        x = ofl_bf16_to_f32(d[i]);
+    } else {
+        float *d = (float *)dst;
+        if (acc_in) x = d[i] + x;
+        d[i] = x;
+    }
     if (zero_src) {
         if (dtype == OFL_DTYPE_F32) ((float *)src)[i] = 0.0f;
         else ((uint16_t *)src)[i] = 0;

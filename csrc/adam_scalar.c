@@ -24,11 +24,11 @@ OFL_AI void sumsq_loop1(int32_t dt, const void *g, int64_t n, double *acc) {
 
 OFL_DEFINE_SUMSQ_KERNEL(ofl_sumsq_kernel_scalar, sumsq_loop1)
 
-OFL_AI void land_loop1(int32_t dt, int acc_in, int zero_src, float *dst, void *src, int64_t n,
+OFL_AI void land_loop1(int32_t dt, int32_t dd, int acc_in, int zero_src, void *dst, void *src, int64_t n,
                        double *acc) {
     double s = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        double x = ofl_land1(dt, acc_in, zero_src, dst, src, i);
+        double x = ofl_land1(dt, dd, acc_in, zero_src, dst, src, i);
         s += x * x;
     }
     *acc += s;

@@ -112,9 +112,11 @@ int32_t ofl_adam_undo_fault(int64_t call, int64_t chunk, int64_t offset);
 int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t count,
                        int32_t dtype, int32_t isa, int32_t num_threads, double *sumsq_out);
 
-/* Lands `count` gradient pieces into fp32 accumulators in one pass: dst[i] = src[i]
+/* Lands `count` gradient pieces into accumulators in one pass: dst[i] = src[i]
  * (accumulate 0: the first micro-step) or dst[i] += src[i] (accumulate 1), the sources
- * of one dtype (F32, BF16, F16), and with zero_src 1 each source element set to zero
+ * of one dtype (F32, BF16, F16), the accumulators of dst_dtype F32 or BF16 (the sum
+ * taken in fp32, then rounded to nearest even: the value stored is the value summed
+ * below), and with zero_src 1 each source element set to zero
  * once read (the flat gradient buffer is then ready for the next backward). The sum
  * of squares, in double, of the landed dst values goes to *sumsq_out: the pieces are
  * one virtual concatenation cut on the chunk grid of ofl_grad_sumsq, with the same
@@ -123,7 +125,7 @@ int32_t ofl_grad_sumsq(const uint64_t *grads, const int64_t *numel, int64_t coun
  * -EINVAL: bad dtype, flag, count, numel, thread count or NULL address; -ENOTSUP: the
  * isa cannot run here; -ENOMEM. Nothing is modified when an error is returned. */
 int32_t ofl_grad_land(const uint64_t *dsts, const uint64_t *srcs, const int64_t *numel, int64_t count,
-                      int32_t dtype, int32_t accumulate, int32_t zero_src, int32_t isa,
+                      int32_t dtype, int32_t dst_dtype, int32_t accumulate, int32_t zero_src, int32_t isa,
                       int32_t num_threads, double *sumsq_out);
 
 /* Roofline probe with Adam's memory traffic: a += b; c += b; d += b, in place over

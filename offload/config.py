@@ -36,7 +36,7 @@ from csrc.errors import ConfigError
 from offload import config_keys as keys
 from offload import config_sections
 from offload.config_sections import (
-    SCHEDULER_TYPES, AioConfig, BatchConfig, CheckpointConfig, Bf16Config, EngineConfig, Fp16Config, OffloadDevice,
+    SCHEDULER_TYPES, AioConfig, BatchConfig, CheckpointConfig, Bf16Config, DataTypesConfig, EngineConfig, Fp16Config, OffloadDevice,
     OffloadOptimizerConfig, OffloadParamConfig, OffloadSectionConfig, OptimizerConfig, SchedulerConfig,
     ZeroConfig,
 )
@@ -66,11 +66,12 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     aio = _build(AioConfig, top.child("aio", keys.AIO), "aio")
     offload = _build(OffloadSectionConfig, top.child("offload", keys.OFFLOAD), "offload")
     checkpoint = _build(CheckpointConfig, top.child("checkpoint", keys.CHECKPOINT), "checkpoint")
+    data_types = _build(DataTypesConfig, top.child("data_types", keys.DATA_TYPES), "data_types")
     fields, origin = top.fields(EngineConfig)
     origin["bf16"] = "bf16.enabled"
     engine = _construct(EngineConfig, origin, "", batch=_batch(top, world_size), optimizer=optimizer,
                         scheduler=scheduler, fp16=fp16, bf16=bf16, zero=zero, aio=aio, offload=offload,
-                        checkpoint=checkpoint, raw=_freeze(raw), **fields)
+                        checkpoint=checkpoint, data_types=data_types, raw=_freeze(raw), **fields)
     for dotted, offload_config in (("zero_optimization.offload_optimizer", zero.offload_optimizer),
                                    ("zero_optimization.offload_param", zero.offload_param)):
         if offload_config.device is OffloadDevice.NVME:

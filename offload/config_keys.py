@@ -53,6 +53,7 @@ TOP = KeyTable(
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
         "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio",
         "offload",        # this project's own section
+        "data_types",
         "checkpoint",
         "allgather_size",  # read only with the legacy "zero_optimization": true
     }),
@@ -65,7 +66,7 @@ TOP = KeyTable(
         "curriculum_learning", "data_efficiency", "compression_training", "quantize_training",
         "weight_quantization", "hybrid_engine", "compile", "tensor_parallel", "elasticity",
         "autotuning", "amp", "torch_autocast", "nebula", "datastates_ckpt",
-        "data_types", "sequence_parallel_size", "use_data_before_expert_parallelism",
+        "sequence_parallel_size", "use_data_before_expert_parallelism",
         "vocabulary_size", "dataloader_drop_last", "graph_harvesting",
         # gradient communication details
         "prescale_gradients", "gradient_predivide_factor", "communication_data_type",
@@ -165,6 +166,8 @@ AIO = KeyTable(
                    "use_gds"), "thread_count": "intra_op_parallelism"},
     unused=frozenset({"use_gds"}),
 )
+
+DATA_TYPES = KeyTable(acted=_same("grad_accum_dtype"))
 
 OFFLOAD = KeyTable(
     acted=_same("daemon_socket", "job_id", "host_memory_bytes", "swap_capacity_bytes", "checksum",

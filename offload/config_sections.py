@@ -28,6 +28,7 @@ __all__ = [
     "SchedulerConfig",
     "Fp16Config",
     "Bf16Config",
+    "DataTypesConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "ZeroConfig",
@@ -349,6 +350,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataTypesConfig:
+    """The "data_types" section: the dtype the offloaded gradient accumulators sum in."""
+
+    grad_accum_dtype: str = "fp32"
+    """"fp32", or "bf16" (each landed sum rounded to bf16: half the accumulators' host memory and NVMe
+    bytes); needs offload_optimizer device cpu or nvme and no offload.delayed_update."""
+
+    def __post_init__(self) -> None:
+        if self.grad_accum_dtype not in ("fp32", "bf16"):
+            _fail(self, "grad_accum_dtype", '"fp32" or "bf16" (fp16 accumulators are not supported)')
+
+
+@dataclass(frozen=True, kw_only=True)
 class OffloadSectionConfig:
     """The "offload" section: this project's own keys, all optional."""
 
@@ -433,6 +447,8 @@ class EngineConfig:
     """Checkpoint retention."""
     offload: OffloadSectionConfig = field(default_factory=OffloadSectionConfig)
     """This project's own section (daemon, job id, memory budgets)."""
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    """The gradient accumulators' dtype."""
     raw: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
     """The config as read, read-only all the way down, for checkpoints and logs."""
 
@@ -455,6 +471,10 @@ class EngineConfig:
                               "offload_optimizer.device cpu or nvme (the compressed moments are stepped by the CPU)")
         if self.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
             _overlap_step_supported(self)
+        if self.data_types.grad_accum_dtype == "bf16" and (
+                self.zero.offload_optimizer.device is OffloadDevice.NONE or self.offload.delayed_update):
+            raise ConfigError("data_types.grad_accum_dtype \"bf16\" needs zero_optimization.offload_optimizer.device "
+                              "cpu or nvme, without offload.delayed_update (its accumulators are the CPU step's)")
         if self.offload.gradient_tier == "nvme" and (
                 self.zero.stage != 3 or self.zero.offload_optimizer.device is not OffloadDevice.NVME):
             raise ConfigError("offload.gradient_tier \"nvme\" needs zero_optimization.stage 3 with "

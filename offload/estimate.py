@@ -177,6 +177,8 @@ class EstimateInput:
     with the master; ``offload.zero.state_format``)."""
     gradient_tier: str = "auto"
     """offload.gradient_tier: stage 3's accumulators resident or on NVMe ([Note: gradient tier])."""
+    grad_accum_dtype: str = "fp32"
+    """data_types.grad_accum_dtype: the offloaded accumulators' dtype (fp32 4, bf16 2 bytes per element)."""
 
     @classmethod
     def from_config(cls, config: Any, shapes: ModelShapes, *, world_size: int = 1,
@@ -193,7 +195,7 @@ class EstimateInput:
                    param_buffer_count=z.offload_param.buffer_count, max_live=z.stage3_max_live_parameters,
                    baseline_bytes=baseline_bytes, gpu=gpu, overlap_step=cfg.offload.overlap_step,
                    delayed_update=cfg.offload.delayed_update, state_dtype=cfg.offload.state_dtype,
-                   gradient_tier=cfg.offload.gradient_tier)
+                   gradient_tier=cfg.offload.gradient_tier, grad_accum_dtype=cfg.data_types.grad_accum_dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -271,7 +273,9 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
     numels = _sub_group_numels(partition, device, inp)
     if device == "none":
         return [("fp32 gradient accumulators", "device", 4 * partition), ("fp32 master + moments", "device", 12 * partition)]
-    grads = sum(_up(4 * n, PAGE) for n in numels)
+    gi = 2 if inp.grad_accum_dtype == "bf16" else 4
+    accumulators = f"{inp.grad_accum_dtype} gradient accumulators"
+    grads = sum(_up(gi * n, PAGE) for n in numels)
     states = [_up(state_block_bytes(n, inp.state_dtype), PAGE) for n in numels]
     what = "fp32 master + moments" + ("" if inp.state_dtype == "fp32" else f" ({inp.state_dtype})")
     # a daemon session's undo copy of a compressed block ([Note: block undo]): host memory when the config
@@ -279,21 +283,21 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
     undo = [] if inp.state_dtype == "fp32" else [
         (UNDO_COPY_PART, "host" if inp.daemon else "daemon", _up(block_undo_bytes(max(states)), PAGE))]
     if device == "cpu":
-        return [("fp32 gradient accumulators", "host", grads), (what, "host", sum(states))] + undo
+        return [(accumulators, "host", grads), (what, "host", sum(states))] + undo
     floor = max(2, inp.optimizer_buffer_count)
     if gradients_on_nvme(inp.gradient_tier, stage=stage, optimizer_nvme=True, partition_numel=partition,
-                         host_memory_bytes=inp.host_memory_bytes, log=False):  # [Note: gradient tier]
-        items = [2 * max(states + [_up(4 * n, PAGE) for n in numels])] * len(numels)  # offload.tiers.plan_bytes
+                         host_memory_bytes=inp.host_memory_bytes, log=False, grad_itemsize=gi):  # [Note: gradient tier]
+        items = [2 * max(states + [_up(gi * n, PAGE) for n in numels])] * len(numels)  # offload.tiers.plan_bytes
         floor = max(floor, 2 + -(-unit_partition // max(numels, default=1)))  # offload.state_window's floor
         blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
             items, floor=floor, fixed_bytes=0, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
-        return [(GRADS_ON_NVME_PART, "nvme", grads), (what, "nvme", sum(states)),
+        return [(GRADS_ON_NVME_PART.replace("fp32", inp.grad_accum_dtype), "nvme", grads), (what, "nvme", sum(states)),
                 ("state window (host budget, buffer_count at least), with the gradient accumulators", "host",
                  sum(sorted(items, reverse=True)[:blocks]))] + undo
     blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
         states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
     window = sum(sorted(states, reverse=True)[:blocks])
-    return [("fp32 gradient accumulators", "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
+    return [(accumulators, "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
             (what, "nvme", sum(states))] + undo
 
 

@@ -325,7 +325,7 @@ def session_fixed_bytes(plan: Any) -> int:
     fixed = fixed_bytes_for(max(plan.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
     half = len(plan.region_bytes) // 2  # the grad regions, then the state blocks (offload.tiers.plan_bytes)
     grads, states = plan.region_bytes[:half], plan.region_bytes[half:]
-    if any(s < 3 * g for g, s in zip(grads, states)):
+    if any(s < 12 * (g // plan.grad_itemsize) for g, s in zip(grads, states)):
         fixed += -(-block_undo_bytes(-(-max(states) // 4096) * 4096) // 4096) * 4096
     return fixed
 

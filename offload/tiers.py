@@ -46,6 +46,8 @@ class TierPlan:
     """Bytes per host pool segment of the embedded store (a region never spans two); None: one segment."""
     slot_bytes: int | None = None
     """Every region of the embedded store padded to this in its pool ([Note: one slot a region])."""
+    grad_itemsize: int = 4
+    """Bytes per element of the grad regions (fp32 4, bf16 2: ``data_types.grad_accum_dtype``)."""
 
 
 @dataclasses.dataclass
@@ -146,15 +148,16 @@ def packed_quota_bytes(resident_bytes: int, largest_region_bytes: int, segment_b
 
 
 def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | None,
-               state_bytes: list[int] | None = None, grads_nvme: bool = False) -> TierPlan:
+               state_bytes: list[int] | None = None, grads_nvme: bool = False, grad_itemsize: int = 4) -> TierPlan:
     """The plan for sub-groups of ``numels`` elements: an fp32 grad region (resident) and a state
     block per sub-group, fp32 three times that unless ``state_bytes`` gives each block's size
     (``offload.state_dtype``, ``offload.zero.state_format``); with nvme only ``window`` blocks are held.
+    ``grad_itemsize``: 2 for bf16 accumulators.
     ``grads_nvme`` (``offload.gradient_tier``, [Note: gradient tier] in offload.zero.grad_tier): the grad
     regions go to NVMe too, ``window`` of them held. Then every region takes a slot of the largest one's
     size in the embedded pool ([Note: one slot a region]) and a place in the window is two slots (the
     plan's ``state_bytes`` are what one place holds)."""
-    grads = [4 * n for n in numels]
+    grads = [grad_itemsize * n for n in numels]
     states = list(state_bytes) if state_bytes is not None else [12 * n for n in numels]
     if grads_nvme and not nvme:
         raise ValueError("grads_nvme needs nvme")
@@ -163,7 +166,8 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
         per_item = [2 * slot for _ in numels]
         swap = sum(align_up(b, PAGE) for b in grads + states)
         return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=window * 2 * slot,
-                        swap_bytes=swap, nvme_path=nvme_path, state_bytes=tuple(per_item), slot_bytes=slot)
+                        swap_bytes=swap, nvme_path=nvme_path, state_bytes=tuple(per_item), slot_bytes=slot,
+                        grad_itemsize=grad_itemsize)
     per_item = [align_up(s, PAGE) for s in states]
     resident = sum(align_up(g, PAGE) for g in grads)
     if nvme:
@@ -172,7 +176,7 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
         resident += sum(per_item)
     swap = sum(per_item) if nvme else 0
     return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=resident, swap_bytes=swap,
-                    nvme_path=nvme_path, state_bytes=tuple(per_item))
+                    nvme_path=nvme_path, state_bytes=tuple(per_item), grad_itemsize=grad_itemsize)
 
 
 # [Note: one slot a region]

@@ -36,9 +36,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GradTier", "gradients_on_nvme"]
 
-F32 = 4
-
-
 class GradPlace(enum.Enum):
     """Where a sub-group's accumulator is (the window's three states, and HOST before the first evict)."""
 
@@ -49,20 +46,20 @@ class GradPlace(enum.Enum):
 
 
 def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partition_numel: int,
-                      host_memory_bytes: int | None, log: bool = True) -> bool:
+                      host_memory_bytes: int | None, log: bool = True, grad_itemsize: int = 4) -> bool:
     """Whether ``offload.gradient_tier`` puts the accumulators on NVMe ([Note: gradient tier]).
     "nvme" in a config that cannot (not stage 3 with the optimizer on NVMe) was refused when it was read."""
     if setting == "nvme":
         return True
     if setting != "auto" or stage != 3 or not optimizer_nvme:
         return False
-    need = F32 * partition_numel
+    need = grad_itemsize * partition_numel
     budget, source = budget_bytes(host_memory_bytes)
     if budget is None:
         return False
     nvme = need > budget
     if log:
-        logger.info("offload.gradient_tier auto: %s (fp32 accumulators %.2f GB %s the %.2f GB budget from %s)",
+        logger.info("offload.gradient_tier auto: %s (accumulators %.2f GB %s the %.2f GB budget from %s)",
                     "nvme" if nvme else "host", need / 1e9, "exceed" if nvme else "fit in", budget / 1e9, source)
     return nvme
 
@@ -70,8 +67,10 @@ def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partiti
 class GradTier:
     """The accumulators of every sub-group as tier regions ``grad.<sg>``, at most ``window`` in host memory."""
 
-    def __init__(self, tier: Any, layout: FlatLayout, *, window: int, name) -> None:
+    def __init__(self, tier: Any, layout: FlatLayout, *, window: int, name,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.tier = tier
+        self.dtype = dtype
         self.layout = layout
         self._name = name
         self._place = [GradPlace.HOST for _ in layout.sub_groups]
@@ -86,13 +85,13 @@ class GradTier:
     def _view(self, sg: int) -> torch.Tensor:
         if self._place[sg] != GradPlace.RESIDENT:
             raise ConfigError(f"sub-group {sg}'s gradients are {self._place[sg].value}: bring them in first")
-        return torch.frombuffer(self.tier.host_view(self._name(sg)), dtype=torch.float32,
+        return torch.frombuffer(self.tier.host_view(self._name(sg)), dtype=self.dtype,
                                 count=self.layout.sub_groups[sg].numel)
 
     def allocate(self, sg: int) -> None:
         """A new accumulator, zeroed and sent to NVMe (so a read finds written, checksummed bytes)."""
         self._window.make_room()
-        self.tier.allocate(self._name(sg), F32 * self.layout.sub_groups[sg].numel)
+        self.tier.allocate(self._name(sg), self.dtype.itemsize * self.layout.sub_groups[sg].numel)
         self._place[sg] = GradPlace.RESIDENT
         self._view(sg).zero_()
         self._window.evict(sg)

@@ -3,7 +3,8 @@
 Each sub-group has two buffers:
 - its state block, ``[master | exp_avg | exp_avg_sq]`` (3 x numel fp32, or the smaller layouts of
   ``offload.state_dtype`` bf16 / int8, see ``offload.zero.state_format``): the unit of NVMe I/O;
-- its gradient accumulator (numel fp32): resident, written as buckets land; or, with
+- its gradient accumulator (numel fp32, or bf16 with ``data_types.grad_accum_dtype``): resident,
+  written as buckets land; or, with
   ``grad_window`` (stage 3's ``offload.gradient_tier`` nvme), on NVMe but for a window of them
   (``offload.zero.grad_tier``, [Note: gradient tier]).
 
@@ -34,6 +35,7 @@ __all__ = ["Placement", "StateStorage"]
 F32 = 4  # bytes per element
 
 
+
 class Placement(enum.Enum):
     """Where a sub-group's state block is, and who owns its memory."""
 
@@ -49,12 +51,16 @@ class StateStorage:
 
     def __init__(self, layout: FlatLayout, *, tier: Any | None, nvme: bool, device: torch.device,
                  window: int, prefix: str = "", state_format: StateFormat | None = None,
-                 grad_window: int | None = None) -> None:
-        """``grad_window``: the accumulators go to NVMe too, this many of them in host memory at most."""
+                 grad_window: int | None = None, grad_dtype: torch.dtype = torch.float32) -> None:
+        """``grad_window``: the accumulators go to NVMe too, this many of them in host memory at most.
+        ``grad_dtype``: the accumulators' (float32, or bfloat16 with an offloaded optimizer)."""
         if nvme and tier is None:
             raise ConfigError("NVMe offload needs a tier")
         if grad_window is not None and not nvme:
             raise ConfigError("gradient accumulators on NVMe need the optimizer state on NVMe")
+        if grad_dtype != torch.float32 and tier is None:
+            raise ConfigError("bf16 gradient accumulators need the optimizer state offloaded (cpu or nvme)")
+        self.grad_dtype = grad_dtype
         self.layout = layout
         self.tier = tier
         self.nvme = nvme
@@ -70,7 +76,7 @@ class StateStorage:
         self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
                                   label=lambda sg: f"sub-group {sg}", noun="blocks")
         self.grads_tier = None if grad_window is None else GradTier(tier, layout, window=grad_window,
-                                                                    name=self._grad_name)
+                                                                    name=self._grad_name, dtype=grad_dtype)
 
     @property
     def io_wait_seconds(self) -> float:
@@ -105,8 +111,8 @@ class StateStorage:
                 if self.grads_tier is not None:
                     self.grads_tier.allocate(sg.index)
                 else:
-                    self.tier.allocate(self._grad_name(sg.index), n * F32)
-                    self._view(self._grad_name(sg.index), n, cache=True).zero_()
+                    self.tier.allocate(self._grad_name(sg.index), n * self.grad_dtype.itemsize)
+                    self._view(self._grad_name(sg.index), n, cache=True, dtype=self.grad_dtype).zero_()
                 self._window.make_room()
                 self.tier.allocate(self._state_name(sg.index), self.format.state_bytes(sg))
                 self._placement[sg.index] = Placement.RESIDENT if self.nvme else Placement.HOST
@@ -154,7 +160,8 @@ class StateStorage:
             raise ConfigError("the gradient accumulators are on NVMe: use grad_for_landing / acquire_grad")
         name = self._grad_name(sg)
         t = self._tensors.get(name)
-        return t if t is not None else self._view(name, self.layout.sub_groups[sg].numel, cache=True)
+        return t if t is not None else self._view(name, self.layout.sub_groups[sg].numel, cache=True,
+                                                  dtype=self.grad_dtype)
 
     # -- gradient accumulators, resident or on NVMe ([Note: gradient tier]) ------------------
 

@@ -55,6 +55,24 @@ def test_land_matches_torch(isa, dtype, accumulate, zero_sources):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", SRC_DTYPES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_bf16_accumulators_hold_the_rounded_fp32_sum(isa, dtype, accumulate):
+    """data_types.grad_accum_dtype bf16: dst = bf16(fp32(dst) + src), rounded to nearest even as torch
+    rounds, bit for bit on every ISA, odd sizes and offsets; the sum of squares is of the values stored."""
+    offsets = [1, 3, 0, 7, 5, 2]
+    srcs, dsts32, _ = _pieces(SIZES, dtype, offsets, seed=5)
+    dsts = [d.bfloat16() for d in dsts32]
+    dsts[2][0] = 3.0e38  # + a source can round past bf16's largest: inf, as torch rounds it
+    want = [((d.float() + s.float()) if accumulate else s.float()).bfloat16() for s, d in zip(srcs, dsts)]
+    total = grad_land(dsts, srcs, accumulate=accumulate, isa=isa)
+    for d, w in zip(dsts, want):
+        assert torch.equal(d.view(torch.int16), w.view(torch.int16))
+    want_sumsq = sum(float((w.double() ** 2).sum()) for w in want)
+    assert total == want_sumsq or math.isclose(total, want_sumsq, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", SRC_DTYPES)
 def test_sum_equals_grad_sumsq_of_the_result_with_any_thread_count(isa, dtype):
     sizes = [5, 70001, 1, 200003, 64, 131071]
     results = []
@@ -96,8 +114,10 @@ def test_bad_arguments_name_what_is_wrong():
         grad_land([f32], [f32, f32], accumulate=False)
     with pytest.raises(ConfigError, match="srcs\\[0\\] has 7 elements"):
         grad_land([f32], [torch.zeros(7)], accumulate=False)
-    with pytest.raises(ConfigError, match="dsts\\[0\\] has dtype torch.bfloat16"):
-        grad_land([f32.bfloat16()], [f32], accumulate=False)
+    with pytest.raises(ConfigError, match="dsts must be float32 or bfloat16 accumulators, got torch.float16"):
+        grad_land([f32.half()], [f32], accumulate=False)
+    with pytest.raises(ConfigError, match="dsts\\[1\\] has dtype torch.bfloat16, expected torch.float32"):
+        grad_land([f32, f32.bfloat16()], [f32, f32], accumulate=False)
     with pytest.raises(ConfigError, match="srcs have dtype torch.float64"):
         grad_land([f32], [f32.double()], accumulate=False)
     with pytest.raises(ConfigError, match="not contiguous"):

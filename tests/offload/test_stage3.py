@@ -21,13 +21,17 @@ STEPS = 20
 EQUIV_STEPS = 50  # the equivalence runs: 50 fp32 steps against torch
 
 
-def _torch_run(net: torch.nn.Module, data, *, clip: float = 1.0):
+def _torch_run(net: torch.nn.Module, data, *, clip: float = 1.0, bf16_grads: bool = False):
+    """torch's AdamW; ``bf16_grads``: on the gradients rounded to bf16 (what bf16 accumulators hold)."""
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.01)
     losses = []
     for ids, targets in data:
         loss = net(ids, targets)
         opt.zero_grad()
         loss.backward()
+        if bf16_grads:
+            for p in net.parameters():
+                p.grad = p.grad.bfloat16().float()
         torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         losses.append(loss.item())
