@@ -13,7 +13,7 @@ prediction for the same model and config, against the measured peak.
 
 Usage: python tools/bench/bench_capacity.py [--n-layer 30] [--n-embd 2560] [--n-head 20]
        [--seq 32] [--batch 1] [--steps 4] [--nvme-path /tmp] [--state-dtype int8] [--bf16]
-       [--gradient-tier auto|host|nvme] [--json FILE] [--out FILE]
+       [--gradient-tier auto|host|nvme] [--grad-accum-dtype fp32|bf16] [--json FILE] [--out FILE]
        python tools/bench/bench_capacity.py --report-from FILE.json --out FILE.md
        python tools/bench/bench_capacity.py --compare BASE.json NEW.json [--out FILE.md]
 Run under `flock /tmp/ofl-bench.lock`; it takes minutes and tens of GB of swap under --nvme-path.
@@ -82,6 +82,8 @@ def engine_config(args, nvme_path: str) -> dict:
         out.setdefault("offload", {})["gradient_tier"] = args.gradient_tier
     if args.bf16:
         out["bf16"] = {"enabled": True}
+    if args.grad_accum_dtype != "fp32":
+        out["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
     return out
 
 
@@ -199,7 +201,8 @@ def report(result: dict) -> str:
 def _label(result: dict) -> str:
     c = result["config"]
     return (f"{'bf16' if c.get('bf16', {}).get('enabled') else 'fp32'} shards, "
-            f"{c.get('offload', {}).get('state_dtype', 'fp32')} states, gradients {result.get('gradient_tier', 'host')}")
+            f"{c.get('offload', {}).get('state_dtype', 'fp32')} states, "
+            f"{c.get('data_types', {}).get('grad_accum_dtype', 'fp32')} gradients on {result.get('gradient_tier', 'host')}")
 
 
 def compare(base: dict, new: dict) -> str:
@@ -240,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"), help="offload.state_dtype")
     ap.add_argument("--bf16", action="store_true", help="compute (and stage 3 param shards) in bf16")
     ap.add_argument("--gradient-tier", default="auto", choices=("auto", "host", "nvme"), help="offload.gradient_tier")
+    ap.add_argument("--grad-accum-dtype", default="fp32", choices=("fp32", "bf16"), help="data_types.grad_accum_dtype")
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--report-from", help="only write the report, from a JSON this script wrote")
     ap.add_argument("--out", help="the Markdown report")

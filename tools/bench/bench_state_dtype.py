@@ -14,7 +14,9 @@ quality run, 500 steps or more.
 The runs are sequential, in the order given, each after the same warm-up; the load average is
 printed beside each. Usage:
   python tools/bench/bench_state_dtype.py [--steps 300] [--model demo|100m] [--device cpu]
-      [--dtypes fp32 bf16 int8] [--out FILE]
+      [--dtypes fp32 bf16 int8 fp32/bf16 int8/bf16] [--out FILE]
+("X/bf16": state dtype X with bf16 gradient accumulators, data_types.grad_accum_dtype; its target
+is X's.)
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -42,10 +44,13 @@ MODELS = {
 
 
 def run(state_dtype: str, steps: int, device: str, seed: int, model: str = "demo") -> dict:
+    """``state_dtype``: offload.state_dtype, or "<it>/bf16" for bf16 gradient accumulators beside it."""
     t0 = time.perf_counter()
     quiet = Console(file=io.StringIO())
-    result = run_demo(DemoConfig(steps=steps, offload_device=device, state_dtype=state_dtype, seed=seed,
-                                 show_progress=False, **MODELS[model]), console=quiet)
+    states, _, accum = state_dtype.partition("/")
+    result = run_demo(DemoConfig(steps=steps, offload_device=device, state_dtype=states, seed=seed,
+                                 grad_accum_dtype=accum or "fp32", show_progress=False, **MODELS[model]),
+                      console=quiet)
     return {"losses": result.losses, "val": result.val_loss_after, "val_before": result.val_loss_before,
             "seconds": time.perf_counter() - t0, "load": os.getloadavg()[0], "params": result.num_parameters}
 
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for sd, r in results.items():
         rel = (r["val"] / base["val"] - 1.0) if base else float("nan")
-        want = TARGETS.get(sd)
+        want = TARGETS.get(sd.partition("/")[0])
         verdict = "" if want is None else f"within {want:.1%}: {'met' if abs(rel) <= want else '**not met**'}"
         table.append(f"| {sd} | {r['val']:.4f} | {rel:+.2%} | {verdict} | {r['losses'][-1]:.4f} | "
                      f"{r['seconds']:.0f} | {r['load']:.2f} |")
