@@ -1,6 +1,7 @@
 """Stage 3's gradient accumulators on NVMe: a window of them in host memory, the rest on disk.
 
-[Note: gradient tier] A sub-group's fp32 accumulator (4 bytes per element of the partition) is
+[Note: gradient tier] A sub-group's accumulator (4 bytes per element of the partition, 2 with
+``data_types.grad_accum_dtype`` bf16) is
 written as backward lands its buckets and read once, by the sub-group's Adam pass. Resident
 (``offload.gradient_tier`` "host") they are the largest part of a large model's host memory:
 8.8 GiB of the 2.37B GPT's 12.45 GiB peak, and at 5B they alone exceed 16 GiB. With "nvme" they
@@ -10,11 +11,12 @@ are regions of the optimizer's tier like the state blocks, moved by the same ``H
   at a cycle's first micro-step (``tier.claim``: it is about to be overwritten), with one at
   later micro-steps (they add to it); once every piece of it has landed this micro-step it is
   marked dirty and evicted (written back while backward goes on). Backward lands the partition
-  in reverse order, so one or two accumulators are in host memory at a time;
+  in reverse order, so only the accumulators of the buckets being landed are in host memory (the
+  window holds at least the most sub-groups one bucket touches, plus one);
 - the step: each sub-group's accumulator is prefetched beside its state block, read by the pass,
   and then dropped (clean: its evict writes nothing).
 
-So the gradients cost 4 bytes per parameter written and 4 read per step on NVMe (more at each
+So the gradients cost their bytes per parameter written and read per step on NVMe (more at each
 extra micro-step) and host memory for ``window`` of them. The clip norm is unchanged: it is
 summed as the gradients land ([Note: landing] in offload.zero.optimizer). "auto" chooses NVMe
 for stage 3 with the optimizer on NVMe when the accumulators alone exceed the host budget the
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 
@@ -35,6 +37,7 @@ from offload.zero.window import HostWindow, budget_bytes
 logger = logging.getLogger(__name__)
 
 __all__ = ["GradTier", "gradients_on_nvme"]
+
 
 class GradPlace(enum.Enum):
     """Where a sub-group's accumulator is (the window's three states, and HOST before the first evict)."""
@@ -146,8 +149,3 @@ class GradTier:
 
     def settle(self) -> None:
         self._window.settle("gradients of sub-group")
-
-
-def grad_window_bytes(grad_bytes: Sequence[int], window: int) -> int:
-    """Host memory the window of accumulators holds at most: ``window`` of the largest."""
-    return sum(sorted(grad_bytes, reverse=True)[:max(2, window)])

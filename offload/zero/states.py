@@ -4,9 +4,8 @@ Each sub-group has two buffers:
 - its state block, ``[master | exp_avg | exp_avg_sq]`` (3 x numel fp32, or the smaller layouts of
   ``offload.state_dtype`` bf16 / int8, see ``offload.zero.state_format``): the unit of NVMe I/O;
 - its gradient accumulator (numel fp32, or bf16 with ``data_types.grad_accum_dtype``): resident,
-  written as buckets land; or, with
-  ``grad_window`` (stage 3's ``offload.gradient_tier`` nvme), on NVMe but for a window of them
-  (``offload.zero.grad_tier``, [Note: gradient tier]).
+  written as buckets land; or, with ``grad_window`` (stage 3's ``offload.gradient_tier`` nvme), on
+  NVMe but for a window of them (``offload.zero.grad_tier``, [Note: gradient tier]).
 
 With ``offload_optimizer`` none they are torch tensors on the model's device. With cpu or
 nvme they are regions of the tier (the embedded ``TierStore`` or the daemon's
@@ -33,7 +32,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Placement", "StateStorage"]
 
 F32 = 4  # bytes per element
-
 
 
 class Placement(enum.Enum):
