@@ -106,6 +106,8 @@ def run_cli(args: Any) -> int:
         inp = dataclasses.replace(inp, state_dtype=args.state_dtype)
     if args.gradient_tier:
         inp = dataclasses.replace(inp, gradient_tier=args.gradient_tier)
+    if args.grad_accum_dtype:
+        inp = dataclasses.replace(inp, grad_accum_dtype=args.grad_accum_dtype)
     est = estimate(inp, stages=args.stage or (0, 1, 2, 3))
     detail = None
     if args.detail:
@@ -145,6 +147,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--gradient-tier", choices=("auto", "host", "nvme"),
                         help="offload.gradient_tier: stage 3's gradient accumulators with offload_optimizer nvme "
                              "(the config's, else auto: nvme where they exceed the host budget)")
+    parser.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"),
+                        help="data_types.grad_accum_dtype: the offloaded gradient accumulators' dtype (the config's, "
+                             "else fp32)")
     parser.add_argument("--stage", type=int, action="append", choices=(0, 1, 2, 3), help="only this stage (repeatable)")
     parser.add_argument("--detail", metavar="STAGE[,OPT[,PARAM]]", help="also list the parts of one row, e.g. 3,nvme,nvme")
     parser.add_argument("--no-baseline", action="store_true", help="leave out this process's own memory")

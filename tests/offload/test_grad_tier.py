@@ -231,3 +231,25 @@ def test_bf16_accumulators_train_as_torch_on_bf16_rounded_gradients(tmp_path, st
 def test_unsupported_accumulator_dtypes_are_errors_naming_the_key(config):
     with pytest.raises(ConfigError, match="grad_accum_dtype"):
         read_config({"train_batch_size": 8, **config}, world_size=1)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_the_estimate_counts_bf16_accumulators_at_two_bytes(tier, capsys):
+    """10 Mi elements at stage 3, optimizer on NVMe: the accumulators' part is 2 bytes an element, in host
+    memory or on NVMe as the gradient tier puts them; the command line takes the dtype too."""
+    from offload.cli import main
+    from offload.estimate import EstimateInput, estimate, shapes_from_count
+
+    n, mi = 10 << 20, 1 << 20
+    rows = {d: estimate(EstimateInput(shapes=shapes_from_count(n, largest_layer=mi), compute_bytes=2,
+                                      gradient_tier=tier, grad_accum_dtype=d), stages=(3,))
+            .row(stage=3, optimizer="nvme", param="nvme") for d in ("fp32", "bf16")}
+    parts = {d: {what: (where, b) for what, where, b in r.parts if what.startswith(("fp32 grad", "bf16 grad"))}
+             for d, r in rows.items()}
+    (fp32_where, fp32_bytes), = parts["fp32"].values()
+    (bf16_what, (bf16_where, bf16_bytes)), = parts["bf16"].items()
+    assert bf16_what.startswith("bf16 gradient accumulators") and bf16_where == fp32_where
+    assert fp32_bytes == 2 * bf16_bytes >= 4 * n
+    assert main(["estimate", "--params", "1e8", "--no-baseline", "--stage", "3", "--detail", "3,nvme,nvme",
+                 "--gradient-tier", tier, "--grad-accum-dtype", "bf16"]) == 0
+    assert "bf16 gradient accumulators" in capsys.readouterr().out
