@@ -58,10 +58,28 @@ def test_full_and_oversized_requests_are_clear_errors(pool):
         pool.free(b)
 
 
+def test_slots_pad_every_block_so_freed_ones_fit_any_other():
+    """slot_bytes: every block takes a whole slot, so blocks of two sizes never leave holes too short.
+    With plain 4 KiB padding this order ends with 24 KiB free (8 + 16) and no run of 24 KiB for s3."""
+    kib = 1024
+    pool = HostPool(HostPoolConfig(capacity_bytes=4 * 24 * kib, slot_bytes=24 * kib))
+    try:
+        held = {name: pool.allocate(size * kib) for name, size in (("s1", 24), ("s2", 24), ("g1", 16), ("g2", 16))}
+        assert {b.nbytes for b in held.values()} == {24 * kib}
+        pool.free(held.pop("s1"))
+        held["g3"] = pool.allocate(16 * kib)
+        pool.free(held.pop("g1"))
+        held["s3"] = pool.allocate(24 * kib)
+        assert pool.used_bytes == 4 * 24 * kib
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(capacity_bytes=0), "capacity_bytes"),
     (dict(capacity_bytes=8192, segment_bytes=1000), "segment_bytes"),
     (dict(capacity_bytes=3 * 4096, segment_bytes=8192), "capacity_bytes"),
+    (dict(capacity_bytes=8192, slot_bytes=1000), "slot_bytes"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
