@@ -214,6 +214,7 @@ class Engine:
                     self.commit.begin_step()
             overlap.begin(self.scaler.scale, self.world_size)  # [Note: overlapped step]
         t0 = time.perf_counter()
+        self.adam.storage.begin_landing()
         self.reducer.begin(reduce=reduce, first=first, final=final)
         factor = self.scaler.scale / gas
         (loss * factor if factor != 1.0 else loss).backward()

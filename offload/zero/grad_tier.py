@@ -113,6 +113,17 @@ class GradTier:
         self._window.bring_in(sg, read=not first)
         return self._view(sg)
 
+    def begin(self) -> None:
+        """Before a micro-step's landings: a sub-group a cut-off backward left part-landed is written back
+        as it is and counted afresh, so no landing of this micro-step is taken for its last piece early
+        (which would send it back, and the next piece would claim it as zeros)."""
+        for sg in self.layout.sub_groups:
+            if self._left[sg.index] != len(sg.pieces):
+                self._left[sg.index] = len(sg.pieces)
+                if self._place[sg.index] == GradPlace.RESIDENT:
+                    self.tier.mark_dirty(self._name(sg.index))
+                    self._window.evict(sg.index)
+
     def landed(self, sg: int) -> None:
         """One piece of ``sg`` landed; after its last one this micro-step, write it back."""
         self._left[sg] -= 1

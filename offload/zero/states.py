@@ -167,6 +167,11 @@ class StateStorage:
         """The accumulator a bucket's piece lands in (``first``: a cycle's first micro-step, overwriting it)."""
         return self.grad(sg) if self.grads_tier is None else self.grads_tier.for_landing(sg, first)
 
+    def begin_landing(self) -> None:
+        """Before a micro-step's backward (the gradient tier recounts what lands: ``GradTier.begin``)."""
+        if self.grads_tier is not None:
+            self.grads_tier.begin()
+
     def grad_landed(self, sg: int) -> None:
         """One piece of ``sg`` has landed (with the gradient tier, its last one this micro-step writes it back)."""
         if self.grads_tier is not None:

@@ -253,3 +253,25 @@ def test_the_estimate_counts_bf16_accumulators_at_two_bytes(tier, capsys):
     assert main(["estimate", "--params", "1e8", "--no-baseline", "--stage", "3", "--detail", "3,nvme,nvme",
                  "--gradient-tier", tier, "--grad-accum-dtype", "bf16"]) == 0
     assert "bf16 gradient accumulators" in capsys.readouterr().out
+
+
+def test_a_part_landed_accumulator_left_by_a_cut_backward_is_counted_afresh(tmp_path):
+    """A backward cut off after landing one piece of a sub-group that spans buckets: the next micro-step
+    must not take its own landings for that sub-group's last ones (sending it back early, after which the
+    next piece would claim it as zeros). The steps after are the uninterrupted run's, bit for bit."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ref = _train(_config(tmp_path / "a", "nvme"))
+
+    def cut_once(engine, state={"done": False}):
+        if state["done"]:
+            return
+        state["done"] = True
+        storage = engine.adam.storage
+        sg = next(g for g in engine.layout.sub_groups if len(g.pieces) >= 2)
+        storage.grad_for_landing(sg.index, True).fill_(7.0)  # one piece's landing, then the backward dies
+        storage.grad_landed(sg.index)
+
+    got = _train(_config(tmp_path / "b", "nvme"), inspect=cut_once)
+    assert got[0][1:] == ref[0][1:]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
