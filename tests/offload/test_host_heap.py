@@ -52,10 +52,13 @@ def _floors(rss: list[int], window: int = 10) -> list[int]:
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_resident_memory_stays_bounded_over_sixty_steps():
     """A ~28M-parameter GPT, stage 1, optimizer in host memory: the floor of resident memory (the
-    lowest of every 10 steps) stays within the trimmer's slack of the first 10 steps' floor, the
-    baseline measured in this same run. Peaks are not compared: they move with the machine's load.
-    Without the trim the floor climbs under glibc's dynamic mmap threshold (+155 MiB by steps 50-60
-    measured here; tools/bench/bench_host_heap.py: +126 MiB highest RSS over steps 10-60)."""
+    lowest of every 10 steps) stays within 1.5 x the trimmer's slack of the first 10 steps' floor, the
+    baseline measured in this same run. The trimmer resettles after each trim where the trimmed heap
+    lands, a few to tens of MiB from that baseline, and a floor may sit up to the slack above its
+    settle point: floors of +70 and +74 MiB were seen (on 58e5c56 too, about one run in five), against
+    a slack of 64. Peaks are not compared: they move with the machine's load. Without the trim the
+    floor climbs under glibc's dynamic mmap threshold (+155 to +685 MiB by steps 50-60 measured here;
+    tools/bench/bench_host_heap.py: +126 MiB highest RSS over steps 10-60)."""
     rss = _rss_per_step(60, release=True)
     floors = _floors(rss)
-    assert max(floors) - floors[0] <= HeapTrimmer().slack_bytes, [r // MIB for r in rss]
+    assert max(floors) - floors[0] <= HeapTrimmer().slack_bytes * 3 // 2, [r // MIB for r in rss]
