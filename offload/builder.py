@@ -31,7 +31,7 @@ from offload.report import reporter_for
 from offload.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session, open_undo,
                             roll_back, step_multiplier, undo_exists, undo_slots)
 from offload.schedulers import build_scheduler
-from offload.state_window import grad_itemsize, grads_to_nvme, reattached_state_window, state_window, tier_plan
+from offload.state_window import grad_dtype, grads_to_nvme, reattached_state_window, state_window, tier_plan
 from offload.tiers import Tier, open_tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -312,7 +312,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
                                device=ranks.device, window=window, state_format=StateFormat(cfg.offload.state_dtype),
                                grad_window=window if grads_nvme else None,
-                               grad_dtype=torch.bfloat16 if grad_itemsize(cfg) == 2 else torch.float32)
+                               grad_dtype=grad_dtype(cfg))
         if verdict == FINISH:  # an overlapped step's early sub-groups ([Note: speculative step] in offload.resume)
             storage.keep_written(payload["step_record"][0].get("early", ()))
         if verdict in (RESUME, FINISH, ROLLBACK):

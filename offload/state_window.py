@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from offload.config import EngineConfig, OffloadDevice, resolve_daemon_socket
 from offload.tiers import TierPlan, plan_bytes
 from offload.zero.grad_tier import gradients_on_nvme
@@ -18,7 +20,7 @@ from offload.zero.layout import FlatLayout
 from offload.zero.state_format import StateFormat
 from offload.zero.window import window_size
 
-__all__ = ["grad_itemsize", "grads_to_nvme", "reattached_state_window", "state_window", "tier_plan"]
+__all__ = ["grad_dtype", "grads_to_nvme", "reattached_state_window", "state_window", "tier_plan"]
 
 
 def _state_bytes(cfg: EngineConfig, layout: FlatLayout) -> list[int]:
@@ -27,16 +29,16 @@ def _state_bytes(cfg: EngineConfig, layout: FlatLayout) -> list[int]:
     return [fmt.state_bytes(sg) for sg in layout.sub_groups]
 
 
-def grad_itemsize(cfg: EngineConfig) -> int:
-    """Bytes per gradient accumulator element (``data_types.grad_accum_dtype``)."""
-    return 2 if cfg.data_types.grad_accum_dtype == "bf16" else 4
+def grad_dtype(cfg: EngineConfig) -> torch.dtype:
+    """The gradient accumulators' dtype (``data_types.grad_accum_dtype``)."""
+    return torch.bfloat16 if cfg.data_types.grad_accum_dtype == "bf16" else torch.float32
 
 
 def tier_plan(cfg: EngineConfig, layout: FlatLayout, *, window: int, grads_nvme: bool) -> TierPlan:
     nvme = cfg.zero.offload_optimizer.device == OffloadDevice.NVME
     return plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=nvme,
                       nvme_path=cfg.zero.offload_optimizer.nvme_path if nvme else None,
-                      state_bytes=_state_bytes(cfg, layout), grads_nvme=grads_nvme, grad_itemsize=grad_itemsize(cfg))
+                      state_bytes=_state_bytes(cfg, layout), grads_nvme=grads_nvme, grad_itemsize=grad_dtype(cfg).itemsize)
 
 
 def grads_to_nvme(cfg: EngineConfig, layout: FlatLayout, *, log: bool = True) -> bool:
@@ -44,7 +46,7 @@ def grads_to_nvme(cfg: EngineConfig, layout: FlatLayout, *, log: bool = True) ->
     return gradients_on_nvme(cfg.offload.gradient_tier, stage=cfg.zero.stage,
                              optimizer_nvme=cfg.zero.offload_optimizer.device == OffloadDevice.NVME,
                              partition_numel=sum(sg.numel for sg in layout.sub_groups),
-                             host_memory_bytes=cfg.offload.host_memory_bytes, log=log, grad_itemsize=grad_itemsize(cfg))
+                             host_memory_bytes=cfg.offload.host_memory_bytes, log=log, grad_itemsize=grad_dtype(cfg).itemsize)
 
 
 def _floor(cfg: EngineConfig, layout: FlatLayout, grads_nvme: bool) -> int:

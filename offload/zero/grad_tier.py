@@ -39,15 +39,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["GradTier", "gradients_on_nvme"]
 
 
-class GradPlace(enum.Enum):
-    """Where a sub-group's accumulator is (the window's three states, and HOST before the first evict)."""
-
-    HOST = "host"
-    NVME = "nvme"
-    IN_FLIGHT = "in_flight"
-    RESIDENT = "resident"
-
-
 def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partition_numel: int,
                       host_memory_bytes: int | None, log: bool = True, grad_itemsize: int = 4) -> bool:
     """Whether ``offload.gradient_tier`` puts the accumulators on NVMe ([Note: gradient tier]).
@@ -70,15 +61,18 @@ def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partiti
 class GradTier:
     """The accumulators of every sub-group as tier regions ``grad.<sg>``, at most ``window`` in host memory."""
 
-    def __init__(self, tier: Any, layout: FlatLayout, *, window: int, name,
+    def __init__(self, tier: Any, layout: FlatLayout, *, window: int, name, kind: type[enum.Enum],
                  dtype: torch.dtype = torch.float32) -> None:
+        """``kind``: the state blocks' placement enum (``offload.zero.states.Placement``), whose HOST (before
+        the first evict), NVME, IN_FLIGHT and RESIDENT an accumulator moves between."""
         self.tier = tier
+        self._kind = kind
         self.dtype = dtype
         self.layout = layout
         self._name = name
-        self._place = [GradPlace.HOST for _ in layout.sub_groups]
+        self._place = [kind.HOST for _ in layout.sub_groups]
         self._left = [len(sg.pieces) for sg in layout.sub_groups]  # pieces still to land this micro-step
-        self._window = HostWindow(tier, self._place, GradPlace, size=max(2, window), name=name,
+        self._window = HostWindow(tier, self._place, kind, size=max(2, window), name=name,
                                   label=lambda sg: f"sub-group {sg}'s gradients", noun="gradient blocks")
 
     @property
@@ -86,7 +80,7 @@ class GradTier:
         return self._window.io_wait_seconds
 
     def _view(self, sg: int) -> torch.Tensor:
-        if self._place[sg] != GradPlace.RESIDENT:
+        if self._place[sg] != self._kind.RESIDENT:
             raise ConfigError(f"sub-group {sg}'s gradients are {self._place[sg].value}: bring them in first")
         return torch.frombuffer(self.tier.host_view(self._name(sg)), dtype=self.dtype,
                                 count=self.layout.sub_groups[sg].numel)
@@ -95,7 +89,7 @@ class GradTier:
         """A new accumulator, zeroed and sent to NVMe (so a read finds written, checksummed bytes)."""
         self._window.make_room()
         self.tier.allocate(self._name(sg), self.dtype.itemsize * self.layout.sub_groups[sg].numel)
-        self._place[sg] = GradPlace.RESIDENT
+        self._place[sg] = self._kind.RESIDENT
         self._view(sg).zero_()
         self._window.evict(sg)
 
@@ -105,7 +99,7 @@ class GradTier:
         held = [n for n in names if self.tier.info(n).tier.value != "nvme"]
         if held:
             self.tier.wait_for_evict(self.tier.evict(held))
-        self._place[:] = [GradPlace.NVME for _ in self.layout.sub_groups]
+        self._place[:] = [self._kind.NVME for _ in self.layout.sub_groups]
         self._left = [len(sg.pieces) for sg in self.layout.sub_groups]
 
     def for_landing(self, sg: int, first: bool) -> torch.Tensor:
@@ -120,7 +114,7 @@ class GradTier:
         for sg in self.layout.sub_groups:
             if self._left[sg.index] != len(sg.pieces):
                 self._left[sg.index] = len(sg.pieces)
-                if self._place[sg.index] == GradPlace.RESIDENT:
+                if self._place[sg.index] == self._kind.RESIDENT:
                     self.tier.mark_dirty(self._name(sg.index))
                     self._window.evict(sg.index)
 
@@ -142,13 +136,13 @@ class GradTier:
 
     def release(self, sg: int) -> None:
         """Done reading: its host copy goes (clean, nothing written)."""
-        if self._place[sg] == GradPlace.RESIDENT:
+        if self._place[sg] == self._kind.RESIDENT:
             self._window.evict(sg)
 
     def cancel(self) -> None:
         """Give back accumulators prefetched for a step that will not run (an fp16 overflow)."""
         for sg, where in enumerate(self._place):
-            if where == GradPlace.IN_FLIGHT and sg not in self._window.evicting:
+            if where == self._kind.IN_FLIGHT and sg not in self._window.evicting:
                 self.acquire(sg)
             self.release(sg)
 

@@ -74,7 +74,8 @@ class StateStorage:
         self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
                                   label=lambda sg: f"sub-group {sg}", noun="blocks")
         self.grads_tier = None if grad_window is None else GradTier(tier, layout, window=grad_window,
-                                                                    name=self._grad_name, dtype=grad_dtype)
+                                                                    name=self._grad_name, kind=Placement,
+                                                                    dtype=grad_dtype)
 
     @property
     def io_wait_seconds(self) -> float:
