@@ -13,6 +13,7 @@ batches; one rank):
   opt-cpu-dpu    opt-cpu with offload.delayed_update after one ordinary step (the CPU step of step t
                  overlaps forward and backward of step t+1)
   opt-cpu-int8   opt-cpu with offload.state_dtype "int8" (blockwise 8-bit Adam moments in host memory)
+  opt-cpu-lean   opt-cpu-int8 with data_types.grad_accum_dtype "bf16" (2-byte host gradient accumulators)
   s3-param-cpu   ZeRO stage 3, offload_param cpu, offload_optimizer cpu
   s3-param-nvme  ZeRO stage 3, offload_param nvme, offload_optimizer nvme (ZeRO-Infinity)
 
@@ -90,6 +91,8 @@ def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str) -> di
         config.setdefault("offload", {})["overlap_step"] = c.overlap
     if c.state_dtype != "fp32":
         config.setdefault("offload", {})["state_dtype"] = c.state_dtype
+    if c.grad_accum_dtype != "fp32":
+        config["data_types"] = {"grad_accum_dtype": c.grad_accum_dtype}
     return config
 
 

@@ -50,6 +50,8 @@ class Contender:
     """offload.overlap_step; None: the engine's default ("auto": on for offloaded stages 0-2 on a GPU)."""
     state_dtype: str = "fp32"
     """offload.state_dtype: how the offloaded Adam moments are stored ("fp32", "bf16", "int8")."""
+    grad_accum_dtype: str = "fp32"
+    """data_types.grad_accum_dtype: the host gradient accumulators' type ("fp32", "bf16")."""
 
 
 CONTENDERS = (
@@ -60,6 +62,7 @@ CONTENDERS = (
     Contender(name="opt-nvme", stage=1, optimizer="nvme"),
     Contender(name="opt-cpu-dpu", stage=1, optimizer="cpu", delayed=True),
     Contender(name="opt-cpu-int8", stage=1, optimizer="cpu", state_dtype="int8"),
+    Contender(name="opt-cpu-lean", stage=1, optimizer="cpu", state_dtype="int8", grad_accum_dtype="bf16"),
     Contender(name="s3-param-cpu", stage=3, optimizer="cpu", param="cpu"),
     Contender(name="s3-param-nvme", stage=3, optimizer="nvme", param="nvme"),
 )
