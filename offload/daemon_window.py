@@ -18,7 +18,8 @@ from offload.tiers import packed_quota_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POOL_SHARE", "blocks_in_quota", "daemon_state_window", "daemon_window_size", "reattached_window"]
+__all__ = ["POOL_SHARE", "blocks_in_quota", "daemon_budget_bytes", "daemon_state_window", "daemon_window_size",
+           "reattached_window"]
 
 POOL_SHARE = 2
 """The ranks of one job take at most 1/POOL_SHARE of the daemon's pool: the rest is for other jobs."""
@@ -42,12 +43,43 @@ def daemon_window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: i
     and at most the number of blocks (a floor above that stays: the caller's buffer_count)."""
     if not block_bytes:
         return floor, 0
-    ranks = max(1, local_ranks)
-    budget = min(pool_capacity_bytes // POOL_SHARE, max(0, pool_free_bytes)) // ranks
-    if max_quota_bytes > 0:
-        budget = min(budget, max_quota_bytes)
+    budget = rank_budget_bytes(pool_capacity_bytes=pool_capacity_bytes, pool_free_bytes=pool_free_bytes,
+                               max_quota_bytes=max_quota_bytes, local_ranks=local_ranks)
     return max(floor, blocks_in_quota(block_bytes, fixed_bytes=fixed_bytes, largest_region_bytes=largest_region_bytes,
                                       segment_bytes=segment_bytes, quota_bytes=budget)), budget
+
+
+def rank_budget_bytes(*, pool_capacity_bytes: int, pool_free_bytes: int, max_quota_bytes: int, local_ranks: int) -> int:
+    """What one rank's session may hold of the pool: min(pool / POOL_SHARE, free) / local_ranks, capped at
+    ``max_quota_bytes`` (0: no cap)."""
+    budget = min(pool_capacity_bytes // POOL_SHARE, max(0, pool_free_bytes)) // max(1, local_ranks)
+    return min(budget, max_quota_bytes) if max_quota_bytes > 0 else budget
+
+
+def _pool(socket_path: str) -> tuple[int, int, int, int]:
+    """(capacity, used, segment, max quota) bytes of the daemon's pool, from STATUS."""
+    from daemon.client import daemon_status
+
+    pool = daemon_status(socket_path)["pool"]
+    return (int(pool["capacity_bytes"]), int(pool["used_bytes"]), int(pool["segment_bytes"]),
+            int(pool["max_quota_bytes"]))
+
+
+def _local_ranks() -> int:
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def daemon_budget_bytes(socket_path: str) -> tuple[int | None, str]:
+    """The host memory a rank may hold in the daemon at ``socket_path`` (``rank_budget_bytes`` of its pool
+    now), and where that figure came from; None where the daemon does not say."""
+    try:
+        capacity, used, _, limit = _pool(socket_path)
+    except (OSError, OffloadError, KeyError, TypeError, ValueError) as exc:
+        return None, f"nothing (the daemon's pool could not be read: {exc})"
+    ranks = _local_ranks()
+    budget = rank_budget_bytes(pool_capacity_bytes=capacity, pool_free_bytes=capacity - used, max_quota_bytes=limit,
+                               local_ranks=ranks)
+    return budget, f"1/{POOL_SHARE} of the daemon's pool" + (f" over {ranks} ranks" if ranks > 1 else "")
 
 
 def blocks_in_quota(block_bytes: Sequence[int], *, fixed_bytes: int, largest_region_bytes: int, segment_bytes: int,
@@ -82,16 +114,12 @@ def daemon_state_window(socket_path: str, block_bytes: Sequence[int], *, floor: 
     """Ask the daemon at ``socket_path`` (STATUS) for its pool and size the window with
     ``daemon_window_size`` over LOCAL_WORLD_SIZE ranks; ``floor`` where the daemon does not say.
     Logged once per call."""
-    from daemon.client import daemon_status
-
     try:
-        pool = daemon_status(socket_path)["pool"]
-        capacity, used = int(pool["capacity_bytes"]), int(pool["used_bytes"])
-        segment, limit = int(pool["segment_bytes"]), int(pool["max_quota_bytes"])
+        capacity, used, segment, limit = _pool(socket_path)
     except (OSError, OffloadError, KeyError, TypeError, ValueError) as exc:
         logger.info("%s window: %d (buffer_count; the daemon's pool could not be read: %s)", what, floor, exc)
         return floor
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    ranks = _local_ranks()
     size, budget = daemon_window_size(block_bytes, floor=floor, fixed_bytes=fixed_bytes,
                                       largest_region_bytes=largest_region_bytes, pool_capacity_bytes=capacity,
                                       pool_free_bytes=capacity - used, max_quota_bytes=limit, segment_bytes=segment,

@@ -20,7 +20,9 @@ So the gradients cost their bytes per parameter written and read per step on NVM
 extra micro-step) and host memory for ``window`` of them. The clip norm is unchanged: it is
 summed as the gradients land ([Note: landing] in offload.zero.optimizer). "auto" chooses NVMe
 for stage 3 with the optimizer on NVMe when the accumulators alone exceed the host budget the
-state window is sized from (``gradients_on_nvme``); ``offload estimate`` says which applies.
+state window is sized from (``gradients_on_nvme``): through a daemon without
+``offload.host_memory_bytes``, a rank's share of the daemon's pool (``offload.daemon_window``), not
+this process's free memory; ``offload estimate`` says which applies.
 """
 from __future__ import annotations
 
@@ -40,15 +42,17 @@ __all__ = ["GradTier", "gradients_on_nvme"]
 
 
 def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partition_numel: int,
-                      host_memory_bytes: int | None, log: bool = True, grad_itemsize: int = 4) -> bool:
+                      host_memory_bytes: int | None, log: bool = True, grad_itemsize: int = 4,
+                      budget: tuple[int | None, str] | None = None) -> bool:
     """Whether ``offload.gradient_tier`` puts the accumulators on NVMe ([Note: gradient tier]).
-    "nvme" in a config that cannot (not stage 3 with the optimizer on NVMe) was refused when it was read."""
+    "nvme" in a config that cannot (not stage 3 with the optimizer on NVMe) was refused when it was read.
+    ``budget``: (bytes or None, where from) in place of ``budget_bytes(host_memory_bytes)`` (a daemon's pool)."""
     if setting == "nvme":
         return True
     if setting != "auto" or stage != 3 or not optimizer_nvme:
         return False
     need = grad_itemsize * partition_numel
-    budget, source = budget_bytes(host_memory_bytes)
+    budget, source = budget if budget is not None else budget_bytes(host_memory_bytes)
     if budget is None:
         return False
     nvme = need > budget

@@ -104,3 +104,37 @@ def test_a_rank_window_grows_with_the_daemon_pool_and_stays_at_buffer_count_with
         assert small_losses == losses  # the window moves data, never the results
     finally:
         daemon.stop()
+
+
+def test_gradient_tier_auto_judges_by_the_daemons_pool_not_this_process_memory(tmp_path, monkeypatch):
+    """offload.gradient_tier "auto" through a daemon: the accumulators go to NVMe when they exceed this rank's
+    share of the daemon's pool (the budget its window is sized from), however much memory the process sees."""
+    from offload.config import read_config
+    from offload.state_window import grads_to_nvme
+    from offload.zero.layout import FlatLayout
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    daemon = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20})
+    try:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+        raw = {"train_batch_size": 8, "offload": {"gradient_tier": "auto"},
+               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+        cfg = read_config(raw, world_size=1)
+        layout = FlatLayout([("w", (6, 1 << 20), 0)], world_size=1, rank=0, bucket_numel=1 << 20,
+                            sub_group_numel=1 << 20)  # 24 MiB of fp32 accumulators
+        assert not grads_to_nvme(cfg, layout)  # one rank: 32 MiB of the 64 MiB pool
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert grads_to_nvme(cfg, layout)  # two ranks: 16 MiB each
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        bystander = TierClient(TierClientConfig(socket_path=daemon.socket_path, job_id="bystander", rank=0,
+                                                quota_bytes=48 << 20))
+        try:
+            assert grads_to_nvme(cfg, layout)  # 16 MiB free
+        finally:
+            bystander.close()
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        bf16 = read_config({**raw, "data_types": {"grad_accum_dtype": "bf16"}}, world_size=1)
+        assert not grads_to_nvme(bf16, layout)  # 12 MiB of bf16 accumulators fit in 16 MiB each
+    finally:
+        daemon.stop()
