@@ -24,6 +24,20 @@
 
 OFL_AI __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u); }
 
+/* [Note: masked moves in tails only]
+ * A masked load or store of a whole vector gives the bits a plain one gives, but on a Zen 5
+ * EPYC the bf16-state step ran 4x slower with every move masked (1.5 against 6.0 Gparams/s at
+ * 1e7, tools/bench/results/adam-state-dtype_2core-epyc_202611.md): each loop here moves whole
+ * vectors plainly and masks only the tail of a block. */
+OFL_AI __m256i load16(__mmask16 k, const uint16_t *src) {
+    return k == 0xffff ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskz_loadu_epi16(k, src);
+}
+
+OFL_AI void store16(uint16_t *dst, __mmask16 k, __m256i x) {
+    if (k == 0xffff) _mm256_storeu_si256((__m256i *)dst, x);
+    else _mm256_mask_storeu_epi16(dst, k, x);
+}
+
 /* The 256 values of a map as 16 registers, looked up by permutes (a gather is slow on some CPUs). */
 typedef struct {
     __m512 r[16];
@@ -88,8 +102,13 @@ OFL_AI void codes_block16(const ofl_q8_tables *t, int32_t map, const float *x, u
     *scale = s;
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
+        if (k == 0xffff) { /* [Note: masked moves in tails only] */
+            __m512i c = code16(t, map, _mm512_loadu_ps(x + i), inv);
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(c)); /* vpmovdb to memory is slow on Zen 4 */
+            continue;
+        }
         __m512i c = code16(t, map, _mm512_maskz_loadu_ps(k, x + i), inv);
-        _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(c)); /* vpmovdb to memory is slow on Zen 4 */
+        _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(c));
     }
 }
 
@@ -119,14 +138,12 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
             m0 = dequant16(&tabs, OFL_Q8_MAP_SIGNED, (const uint8_t *)m + i, sm, k);
             v0 = dequant16(&tabu, OFL_Q8_MAP_UNSIGNED, (const uint8_t *)v + i, sv, k);
         } else {
-            m0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)m + i)), 16));
-            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)v + i)), 16));
+            m0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16(k, (const uint16_t *)m + i)), 16));
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16(k, (const uint16_t *)v + i)), 16));
         }
-        __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, 1), gscale);
+        __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, k != 0xffff), gscale);
         bad = _mm512_add_ps(bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
-        if (l2) gv = _mm512_fmadd_ps(l2c, _mm512_maskz_loadu_ps(k, p + i), gv);
+        if (l2) gv = _mm512_fmadd_ps(l2c, k == 0xffff ? _mm512_loadu_ps(p + i) : _mm512_maskz_loadu_ps(k, p + i), gv);
         __m512 mv = _mm512_fmadd_ps(b1, m0, _mm512_mul_ps(omb1, gv));
         __m512 vv = _mm512_fmadd_ps(b2, v0, _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));
         _mm512_store_ps(bm + i, mv);
@@ -135,8 +152,8 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
             amax_m = absmax16(amax_m, mv, k);
             amax_v = absmax16(amax_v, vv, k);
         } else {
-            _mm256_mask_storeu_epi16((uint16_t *)m + i, k, f32_to_bf16_16(mv));
-            _mm256_mask_storeu_epi16((uint16_t *)v + i, k, f32_to_bf16_16(vv));
+            store16((uint16_t *)m + i, k, f32_to_bf16_16(mv));
+            store16((uint16_t *)v + i, k, f32_to_bf16_16(vv));
         }
     }
     /* The update apart, a short loop whose square roots and divisions overlap from one vector
@@ -144,11 +161,13 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
 #pragma GCC unroll 4
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
-        __m512 pv = _mm512_maskz_loadu_ps(k, p + i);
+        const int tail = k != 0xffff;
+        __m512 pv = tail ? _mm512_maskz_loadu_ps(k, p + i) : _mm512_loadu_ps(p + i);
         __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(bv + i)), ibc2, eps);
         pv = _mm512_fnmadd_ps(step, _mm512_div_ps(_mm512_load_ps(bm + i), den), _mm512_mul_ps(pv, decay));
-        _mm512_mask_storeu_ps(p + i, k, pv);
-        store_out16(od, out, i, pv, k, 1);
+        if (tail) _mm512_mask_storeu_ps(p + i, k, pv);
+        else _mm512_storeu_ps(p + i, pv);
+        store_out16(od, out, i, pv, k, tail);
     }
     if (sd == OFL_STATE_Q8) {
         codes_block16(t, OFL_Q8_MAP_SIGNED, bm, (uint8_t *)m, ms, n, amax_m);
