@@ -26,9 +26,18 @@ OFL_AI __mmask16 tail_mask(int64_t left) { return left >= 16 ? 0xffff : (__mmask
 
 /* [Note: masked moves in tails only]
  * A masked load or store of a whole vector gives the bits a plain one gives, but on a Zen 5
- * EPYC the bf16-state step ran 4x slower with every move masked (1.5 against 6.0 Gparams/s at
- * 1e7, tools/bench/results/adam-state-dtype_2core-epyc_202611.md): each loop here moves whole
- * vectors plainly and masks only the tail of a block. */
+ * EPYC the bf16-state step ran 0.63-0.67x the fp32-state step with every move masked and
+ * 1.35-1.37x with whole vectors moved plainly (tools/bench/results/adam-state-dtype_2core-epyc_202611.md):
+ * the loops here mask only the tail of a block (k not all ones). */
+OFL_AI __m512 loadps16(__mmask16 k, const float *src) {
+    return k == 0xffff ? _mm512_loadu_ps(src) : _mm512_maskz_loadu_ps(k, src);
+}
+
+OFL_AI void storeps16(float *dst, __mmask16 k, __m512 x) {
+    if (k == 0xffff) _mm512_storeu_ps(dst, x);
+    else _mm512_mask_storeu_ps(dst, k, x);
+}
+
 OFL_AI __m256i load16(__mmask16 k, const uint16_t *src) {
     return k == 0xffff ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskz_loadu_epi16(k, src);
 }
@@ -102,13 +111,9 @@ OFL_AI void codes_block16(const ofl_q8_tables *t, int32_t map, const float *x, u
     *scale = s;
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
-        if (k == 0xffff) { /* [Note: masked moves in tails only] */
-            __m512i c = code16(t, map, _mm512_loadu_ps(x + i), inv);
-            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtepi32_epi8(c)); /* vpmovdb to memory is slow on Zen 4 */
-            continue;
-        }
-        __m512i c = code16(t, map, _mm512_maskz_loadu_ps(k, x + i), inv);
-        _mm_mask_storeu_epi8(codes + i, k, _mm512_cvtepi32_epi8(c));
+        __m128i c = _mm512_cvtepi32_epi8(code16(t, map, loadps16(k, x + i), inv)); /* vpmovdb to memory is slow on Zen 4 */
+        if (k == 0xffff) _mm_storeu_si128((__m128i *)(codes + i), c); /* [Note: masked moves in tails only] */
+        else _mm_mask_storeu_epi8(codes + i, k, c);
     }
 }
 
@@ -143,7 +148,7 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
         }
         __m512 gv = _mm512_mul_ps(load_grad16(gd, g, i, k, k != 0xffff), gscale);
         bad = _mm512_add_ps(bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
-        if (l2) gv = _mm512_fmadd_ps(l2c, k == 0xffff ? _mm512_loadu_ps(p + i) : _mm512_maskz_loadu_ps(k, p + i), gv);
+        if (l2) gv = _mm512_fmadd_ps(l2c, loadps16(k, p + i), gv);
         __m512 mv = _mm512_fmadd_ps(b1, m0, _mm512_mul_ps(omb1, gv));
         __m512 vv = _mm512_fmadd_ps(b2, v0, _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));
         _mm512_store_ps(bm + i, mv);
@@ -161,13 +166,11 @@ OFL_AI int32_t block16(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t
 #pragma GCC unroll 4
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
-        const int tail = k != 0xffff;
-        __m512 pv = tail ? _mm512_maskz_loadu_ps(k, p + i) : _mm512_loadu_ps(p + i);
+        __m512 pv = loadps16(k, p + i);
         __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(bv + i)), ibc2, eps);
         pv = _mm512_fnmadd_ps(step, _mm512_div_ps(_mm512_load_ps(bm + i), den), _mm512_mul_ps(pv, decay));
-        if (tail) _mm512_mask_storeu_ps(p + i, k, pv);
-        else _mm512_storeu_ps(p + i, pv);
-        store_out16(od, out, i, pv, k, tail);
+        storeps16(p + i, k, pv);
+        store_out16(od, out, i, pv, k, k != 0xffff);
     }
     if (sd == OFL_STATE_Q8) {
         codes_block16(t, OFL_Q8_MAP_SIGNED, bm, (uint8_t *)m, ms, n, amax_m);

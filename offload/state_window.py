@@ -9,6 +9,7 @@ one ([Note: gradient tier] in offload.zero.grad_tier).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -44,14 +45,13 @@ def tier_plan(cfg: EngineConfig, layout: FlatLayout, *, window: int, grads_nvme:
 def grads_to_nvme(cfg: EngineConfig, layout: FlatLayout, *, log: bool = True) -> bool:
     """``offload.gradient_tier`` resolved for this layout (stage 3's partition); "auto" against the budget
     the window is sized from: the daemon's pool through a daemon without ``offload.host_memory_bytes``."""
-    budget = None
     nvme = cfg.zero.offload_optimizer.device == OffloadDevice.NVME
     socket = resolve_daemon_socket(cfg.offload)
-    if socket and cfg.offload.host_memory_bytes is None and cfg.offload.gradient_tier == "auto" and nvme \
-            and cfg.zero.stage == 3:
+    budget = None
+    if socket and cfg.offload.host_memory_bytes is None:
         from offload.daemon_window import daemon_budget_bytes
 
-        budget = daemon_budget_bytes(socket)
+        budget = functools.partial(daemon_budget_bytes, socket)
     return gradients_on_nvme(cfg.offload.gradient_tier, stage=cfg.zero.stage, optimizer_nvme=nvme,
                              partition_numel=sum(sg.numel for sg in layout.sub_groups),
                              host_memory_bytes=cfg.offload.host_memory_bytes, log=log,

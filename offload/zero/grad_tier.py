@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -43,16 +43,17 @@ __all__ = ["GradTier", "gradients_on_nvme"]
 
 def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partition_numel: int,
                       host_memory_bytes: int | None, log: bool = True, grad_itemsize: int = 4,
-                      budget: tuple[int | None, str] | None = None) -> bool:
+                      budget: Callable[[], tuple[int | None, str]] | None = None) -> bool:
     """Whether ``offload.gradient_tier`` puts the accumulators on NVMe ([Note: gradient tier]).
     "nvme" in a config that cannot (not stage 3 with the optimizer on NVMe) was refused when it was read.
-    ``budget``: (bytes or None, where from) in place of ``budget_bytes(host_memory_bytes)`` (a daemon's pool)."""
+    ``budget``: asked for (bytes or None, where from) in place of ``budget_bytes(host_memory_bytes)``, and only
+    where "auto" has to judge (a daemon's pool: a STATUS round trip)."""
     if setting == "nvme":
         return True
     if setting != "auto" or stage != 3 or not optimizer_nvme:
         return False
     need = grad_itemsize * partition_numel
-    budget, source = budget if budget is not None else budget_bytes(host_memory_bytes)
+    budget, source = budget() if budget is not None else budget_bytes(host_memory_bytes)
     if budget is None:
         return False
     nvme = need > budget

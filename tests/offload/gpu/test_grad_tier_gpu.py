@@ -54,3 +54,22 @@ def test_gradient_tier_and_bf16_accumulators_on_the_gpu_match_torch(tmp_path, st
             torch.testing.assert_close(ours, theirs, rtol=2e-3, atol=1e-4)
     finally:
         engine.close()
+
+
+def test_a_second_micro_batch_adds_to_accumulators_written_back_to_nvme_on_the_gpu(tmp_path):
+    """Two micro-batches per step: the second micro-step's landings read back what the first wrote to NVMe
+    (a skipped write-back trains on stale gradients); 6 steps match torch on the same GPU to 1e-5."""
+    from tests.offload.test_stage3_more import _config, _data, _engine_losses, _gpt, _torch_losses
+
+    data = [ids.cuda() for ids in _data(6)]
+    ref = _torch_losses(_gpt().cuda(), data, micro=2)
+    config = _config("nvme", "cpu", str(tmp_path))
+    config["gradient_accumulation_steps"] = 2
+    config["offload"] = {"gradient_tier": "nvme"}
+    engine, _, _, _ = initialize(model=_gpt(), config=config)
+    try:
+        assert engine.device.type == "cuda" and engine.adam.storage.grads_tier is not None
+        losses = _engine_losses(engine, data, micro=2)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    finally:
+        engine.close()
