@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from csrc import OffloadError
 from offload.tiers import packed_quota_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POOL_SHARE", "blocks_in_quota", "daemon_budget_bytes", "daemon_state_window", "daemon_window_size",
-           "reattached_window"]
+__all__ = ["POOL_ERRORS", "POOL_SHARE", "DaemonPool", "blocks_in_quota", "daemon_budget_bytes", "daemon_state_window",
+           "daemon_window_size", "read_pool", "reattached_window"]
 
 POOL_SHARE = 2
 """The ranks of one job take at most 1/POOL_SHARE of the daemon's pool: the rest is for other jobs."""
@@ -56,13 +56,44 @@ def rank_budget_bytes(*, pool_capacity_bytes: int, pool_free_bytes: int, max_quo
     return min(budget, max_quota_bytes) if max_quota_bytes > 0 else budget
 
 
-def _pool(socket_path: str) -> tuple[int, int, int, int]:
-    """(capacity, used, segment, max quota) bytes of the daemon's pool, from STATUS."""
+class DaemonPool(NamedTuple):
+    """A daemon's pool as its STATUS gave it, in bytes."""
+
+    capacity_bytes: int
+    used_bytes: int
+    segment_bytes: int
+    max_quota_bytes: int
+
+    def rank_budget_bytes(self, local_ranks: int) -> int:
+        return rank_budget_bytes(pool_capacity_bytes=self.capacity_bytes,
+                                 pool_free_bytes=self.capacity_bytes - self.used_bytes,
+                                 max_quota_bytes=self.max_quota_bytes, local_ranks=local_ranks)
+
+    def window(self, block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, largest_region_bytes: int,
+               local_ranks: int) -> tuple[int, int]:
+        """``daemon_window_size`` in this pool."""
+        return daemon_window_size(block_bytes, floor=floor, fixed_bytes=fixed_bytes,
+                                  largest_region_bytes=largest_region_bytes, pool_capacity_bytes=self.capacity_bytes,
+                                  pool_free_bytes=self.capacity_bytes - self.used_bytes,
+                                  max_quota_bytes=self.max_quota_bytes, segment_bytes=self.segment_bytes,
+                                  local_ranks=local_ranks)
+
+    def describe(self) -> str:
+        return (f"a pool of {self.capacity_bytes / 1e9:.2f} GB ({(self.capacity_bytes - self.used_bytes) / 1e9:.2f} "
+                f"GB free) in {self.segment_bytes >> 20} MiB segments")
+
+
+def read_pool(socket_path: str) -> DaemonPool:
+    """The pool of the daemon at ``socket_path``, from STATUS (raises what the client raises, or KeyError,
+    TypeError, ValueError for an answer without it: ``POOL_ERRORS``)."""
     from daemon.client import daemon_status
 
     pool = daemon_status(socket_path)["pool"]
-    return (int(pool["capacity_bytes"]), int(pool["used_bytes"]), int(pool["segment_bytes"]),
-            int(pool["max_quota_bytes"]))
+    return DaemonPool(int(pool["capacity_bytes"]), int(pool["used_bytes"]), int(pool["segment_bytes"]),
+                      int(pool["max_quota_bytes"]))
+
+
+POOL_ERRORS = (OSError, OffloadError, KeyError, TypeError, ValueError)
 
 
 def _local_ranks() -> int:
@@ -73,13 +104,11 @@ def daemon_budget_bytes(socket_path: str) -> tuple[int | None, str]:
     """The host memory a rank may hold in the daemon at ``socket_path`` (``rank_budget_bytes`` of its pool
     now), and where that figure came from; None where the daemon does not say."""
     try:
-        capacity, used, _, limit = _pool(socket_path)
-    except (OSError, OffloadError, KeyError, TypeError, ValueError) as exc:
+        pool = read_pool(socket_path)
+    except POOL_ERRORS as exc:
         return None, f"nothing (the daemon's pool could not be read: {exc})"
     ranks = _local_ranks()
-    budget = rank_budget_bytes(pool_capacity_bytes=capacity, pool_free_bytes=capacity - used, max_quota_bytes=limit,
-                               local_ranks=ranks)
-    return budget, f"1/{POOL_SHARE} of the daemon's pool" + (f" over {ranks} ranks" if ranks > 1 else "")
+    return pool.rank_budget_bytes(ranks), f"1/{POOL_SHARE} of the daemon's pool" + (f" over {ranks} ranks" if ranks > 1 else "")
 
 
 def blocks_in_quota(block_bytes: Sequence[int], *, fixed_bytes: int, largest_region_bytes: int, segment_bytes: int,
@@ -115,17 +144,14 @@ def daemon_state_window(socket_path: str, block_bytes: Sequence[int], *, floor: 
     ``daemon_window_size`` over LOCAL_WORLD_SIZE ranks; ``floor`` where the daemon does not say.
     Logged once per call."""
     try:
-        capacity, used, segment, limit = _pool(socket_path)
-    except (OSError, OffloadError, KeyError, TypeError, ValueError) as exc:
+        pool = read_pool(socket_path)
+    except POOL_ERRORS as exc:
         logger.info("%s window: %d (buffer_count; the daemon's pool could not be read: %s)", what, floor, exc)
         return floor
     ranks = _local_ranks()
-    size, budget = daemon_window_size(block_bytes, floor=floor, fixed_bytes=fixed_bytes,
-                                      largest_region_bytes=largest_region_bytes, pool_capacity_bytes=capacity,
-                                      pool_free_bytes=capacity - used, max_quota_bytes=limit, segment_bytes=segment,
-                                      local_ranks=ranks)
+    size, budget = pool.window(block_bytes, floor=floor, fixed_bytes=fixed_bytes,
+                               largest_region_bytes=largest_region_bytes, local_ranks=ranks)
     logger.info("%s window: %d of %d blocks in host memory (buffer_count %d; budget %.2f GB: 1/%d of the daemon's "
-                "pool of %.2f GB (%.2f GB free) over %d ranks, in %d MiB segments)", what, min(size, len(block_bytes)),
-                len(block_bytes), floor, budget / 1e9, POOL_SHARE, capacity / 1e9, (capacity - used) / 1e9, ranks,
-                segment >> 20)
+                "%s, over %d ranks)", what, min(size, len(block_bytes)), len(block_bytes), floor, budget / 1e9,
+                POOL_SHARE, pool.describe(), ranks)
     return size

@@ -37,6 +37,8 @@ from typing import Any, Iterable
 import torch
 
 from csrc import ConfigError
+from offload.resume import session_fixed_bytes
+from offload.tiers import plan_bytes
 from offload.zero.block_undo import block_undo_bytes
 from offload.zero.grad_tier import gradients_on_nvme
 from offload.zero.overlap import copies_that_fit, overlap_wanted
@@ -156,9 +158,15 @@ class EstimateInput:
     """offload.host_memory_bytes: the budget the engine sizes the optimizer state's NVMe window from;
     None: as the engine does, from the memory available on this machine now (``offload.zero.window.window_size``)."""
     daemon: bool = False
-    """Through a node daemon without ``host_memory_bytes``: the engine sizes the window from the daemon's
-    pool when it starts (``offload.daemon_window``); the estimate, made without the daemon, takes its floor,
-    buffer_count blocks."""
+    """Through a node daemon without ``host_memory_bytes``: the engine sizes the window (and judges
+    ``offload.gradient_tier`` "auto") by the rank's share of the daemon's pool when it starts
+    (``offload.daemon_window``); the estimate does the same with ``daemon_pool``, else takes the window's
+    floor, buffer_count blocks."""
+    daemon_pool: Any = None
+    """The daemon's pool (``offload.daemon_window.DaemonPool``) as its STATUS gave it, read by ``offload
+    estimate`` from the daemon the config names; None: not read."""
+    local_ranks: int | None = None
+    """Ranks of the job on the node, sharing the daemon's pool (LOCAL_WORLD_SIZE); None: ``world_size``."""
     param_buffer_count: int = 5
     """offload_param.buffer_count (shards in host memory with nvme)."""
     max_live: int = 1_000_000_000
@@ -285,18 +293,30 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
     if device == "cpu":
         return [(accumulators, "host", grads), (what, "host", sum(states))] + undo
     floor = max(2, inp.optimizer_buffer_count)
-    if gradients_on_nvme(inp.gradient_tier, stage=stage, optimizer_nvme=True, partition_numel=partition,
-                         host_memory_bytes=inp.host_memory_bytes, log=False, grad_itemsize=gi):  # [Note: gradient tier]
-        items = [2 * max(states + [_up(gi * n, PAGE) for n in numels])] * len(numels)  # offload.tiers.plan_bytes
+    pool = inp.daemon_pool if inp.daemon and inp.host_memory_bytes is None else None
+    ranks = inp.local_ranks or inp.world_size
+    budget = None if pool is None else (lambda: (pool.rank_budget_bytes(ranks), "the daemon's pool"))
+    grads_nvme = gradients_on_nvme(inp.gradient_tier, stage=stage, optimizer_nvme=True, partition_numel=partition,
+                                   host_memory_bytes=inp.host_memory_bytes, log=False, grad_itemsize=gi,
+                                   budget=budget)  # [Note: gradient tier]
+    if grads_nvme:
         floor = max(floor, 2 + -(-unit_partition // max(numels, default=1)))  # offload.state_window's floor
-        blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
-            items, floor=floor, fixed_bytes=0, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
+    plan = plan_bytes(numels, window=0, nvme=True, nvme_path=None, grads_nvme=grads_nvme, grad_itemsize=gi,
+                      state_bytes=[state_block_bytes(n, inp.state_dtype) for n in numels])
+    items = list(plan.state_bytes)
+    if pool is not None:  # as offload.state_window sizes it through a daemon
+        blocks, _ = pool.window(items, floor=floor, fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
+                                largest_region_bytes=max(plan.region_bytes, default=0), local_ranks=ranks)
+    elif inp.daemon and inp.host_memory_bytes is None:
+        blocks = floor
+    else:
+        blocks = window_size(items, floor=floor, fixed_bytes=0 if grads_nvme else grads,
+                             host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
+    window = sum(sorted(items, reverse=True)[:blocks])
+    if grads_nvme:
         return [(GRADS_ON_NVME_PART.replace("fp32", inp.grad_accum_dtype), "nvme", grads), (what, "nvme", sum(states)),
                 ("state window (host budget, buffer_count at least), with the gradient accumulators", "host",
-                 sum(sorted(items, reverse=True)[:blocks]))] + undo
-    blocks = floor if inp.daemon and inp.host_memory_bytes is None else window_size(
-        states, floor=floor, fixed_bytes=grads, host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
-    window = sum(sorted(states, reverse=True)[:blocks])
+                 window)] + undo
     return [(accumulators, "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
             (what, "nvme", sum(states))] + undo
 

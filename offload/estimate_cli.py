@@ -108,6 +108,9 @@ def run_cli(args: Any) -> int:
         inp = dataclasses.replace(inp, gradient_tier=args.gradient_tier)
     if args.grad_accum_dtype:
         inp = dataclasses.replace(inp, grad_accum_dtype=args.grad_accum_dtype)
+    daemon_line = None
+    if inp.daemon and inp.host_memory_bytes is None:
+        inp, daemon_line = _with_daemon_pool(inp, read_config(config, world_size=args.world_size))
     est = estimate(inp, stages=args.stage or (0, 1, 2, 3))
     detail = None
     if args.detail:
@@ -127,7 +130,27 @@ def run_cli(args: Any) -> int:
     verdicts = {i: fit.verdict(r, machine).text() for i, r in enumerate(est.rows)}
     print(format_table(est, title=title, detail=detail, gpu_column=gpu, verdicts=verdicts, marked=configured))
     print("\n".join(fit.answer(est.rows, configured, machine, args.world_size)))
+    if daemon_line:
+        print(daemon_line)
     return 0
+
+
+def _with_daemon_pool(inp: EstimateInput, cfg: Any) -> tuple[EstimateInput, str]:
+    """The estimate through the daemon ``cfg`` names, its pool read as the engine reads it when it starts
+    (``offload.daemon_window``); where it cannot be read, the window's floor as before, and why."""
+    from offload.config import resolve_daemon_socket
+    from offload.daemon_window import POOL_ERRORS, POOL_SHARE, read_pool
+
+    socket = resolve_daemon_socket(cfg.offload)
+    try:
+        pool = read_pool(socket)
+    except POOL_ERRORS as exc:
+        return inp, (f"the daemon at {socket} could not be read ({exc}): the optimizer state window is taken at "
+                     "buffer_count blocks, and gradient_tier auto judged by this machine's memory")
+    ranks = inp.local_ranks or inp.world_size
+    return dataclasses.replace(inp, daemon_pool=pool), (
+        f"through the daemon at {socket}: {pool.describe()}; a rank's share, 1/{POOL_SHARE} of it over {ranks} "
+        f"rank(s), {pool.rank_budget_bytes(ranks) / 1e9:.2f} GB, sizes the state window and gradient_tier auto")
 
 
 def add_arguments(parser: Any) -> None:

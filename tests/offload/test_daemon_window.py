@@ -138,3 +138,107 @@ def test_gradient_tier_auto_judges_by_the_daemons_pool_not_this_process_memory(t
         assert not grads_to_nvme(bf16, layout)  # 12 MiB of bf16 accumulators fit in 16 MiB each
     finally:
         daemon.stop()
+
+
+@pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
+def test_the_estimate_sizes_the_window_from_the_daemons_pool_as_the_engine_does(tmp_path, monkeypatch):
+    """``offload estimate`` with a config that names a daemon reads its pool (STATUS) and gives the window
+    the engine then takes: every block where one rank's share holds them, buffer_count where another job
+    holds the pool and the node has two ranks (before, the estimate always took buffer_count)."""
+    import dataclasses
+
+    from offload.daemon_window import read_pool
+    from offload.estimate import EstimateInput, estimate, shapes_from_model
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    daemon = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                          sessions={"default_quota_bytes": 4 << 20})
+    try:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+        config = ckpt_worker.config("nvme", str(tmp_path), stage=2)
+        config["zero_optimization"]["sub_group_size"] = 64
+        config["offload"] = {"job_id": "estimate-job"}
+        shapes = shapes_from_model(ckpt_worker.model(), persistence_threshold=0)
+
+        def estimated_window(ranks: int) -> int:
+            inp = dataclasses.replace(EstimateInput.from_config(config, shapes), daemon_pool=read_pool(daemon.socket_path),
+                                      local_ranks=ranks)
+            parts = {what: b for what, _, b in estimate(inp, stages=[2]).row(stage=2, optimizer="nvme").parts}
+            return parts["state window (host budget, buffer_count at least)"]
+
+        def engine_window(engine) -> int:
+            plan = plan_bytes([sg.numel for sg in engine.layout.sub_groups], window=0, nvme=True, nvme_path=None)
+            return sum(sorted(plan.state_bytes, reverse=True)[:engine.adam.storage.window])
+
+        alone = estimated_window(1)
+        engine, _, _ = _train(config, steps=2)
+        assert engine.adam.storage.window == len(engine.layout.sub_groups) > 4  # all of them, above buffer_count
+        assert alone == engine_window(engine)
+        engine.close()
+
+        bystander = TierClient(TierClientConfig(socket_path=daemon.socket_path, job_id="bystander", rank=0,
+                                                quota_bytes=60 << 20))
+        try:
+            crowded = estimated_window(2)
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+            engine, _, _ = _train(config, steps=2)
+            assert engine.adam.storage.window == 4
+            assert crowded == engine_window(engine) < alone
+            engine.close()
+        finally:
+            bystander.close()
+    finally:
+        daemon.stop()
+
+
+def test_the_estimate_judges_gradient_tier_auto_by_the_daemons_pool(tmp_path, monkeypatch, capsys):
+    """``offload estimate --config`` through a daemon puts stage 3's accumulators where the engine's "auto"
+    puts them (``grads_to_nvme``, which asks the same daemon), and says which pool it read; with the daemon
+    gone, it says so and falls back."""
+    import json
+
+    from offload.cli import main
+    from offload.config import read_config
+    from offload.state_window import grads_to_nvme
+    from offload.zero.layout import FlatLayout
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    raw = {"train_batch_size": 8, "offload": {"gradient_tier": "auto"},
+           "zero_optimization": {"stage": 3, "sub_group_size": 1 << 20,
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    layout = FlatLayout([("w", (6, 1 << 20), 0)], world_size=1, rank=0, bucket_numel=1 << 20,
+                        sub_group_numel=1 << 20)  # a rank's 24 MiB of fp32 accumulators
+
+    def estimated(ranks: int) -> str:
+        assert main(["estimate", "--params", str(ranks * (6 << 20)), "--largest-layer", str(1 << 20), "--config",
+                     str(path), "--world-size", str(ranks), "--detail", "3,nvme,nvme", "--no-baseline"]) == 0
+        out = capsys.readouterr().out
+        where = [line for line in out.splitlines() if "gradient accumulators" in line and "window" not in line]
+        assert len(where) == 1, out
+        return ("nvme" if "gradient_tier nvme" in where[0] else "host"), out
+
+    daemon = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20})
+    try:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+        cfg = read_config(raw, world_size=1)
+        tier, out = estimated(1)
+        assert not grads_to_nvme(cfg, layout) and tier == "host"  # one rank: 32 MiB of the 64 MiB pool
+        assert f"through the daemon at {daemon.socket_path}: a pool of 0.07 GB (0.07 GB free)" in out
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        assert grads_to_nvme(cfg, layout) and estimated(2)[0] == "nvme"  # two ranks: 16 MiB each
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        bystander = TierClient(TierClientConfig(socket_path=daemon.socket_path, job_id="bystander", rank=0,
+                                                quota_bytes=48 << 20))
+        try:
+            assert grads_to_nvme(cfg, layout) and estimated(1)[0] == "nvme"  # 16 MiB free
+        finally:
+            bystander.close()
+    finally:
+        daemon.stop()
+    tier, out = estimated(1)  # no daemon: this machine's memory, and why
+    assert tier == "host" and f"the daemon at {daemon.socket_path} could not be read" in out
