@@ -401,7 +401,8 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
     def open_() -> Tier:
         return open_tier(plan, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),
                          rank=ranks.local_rank, aio=cfg.aio, host_memory_bytes=cfg.offload.host_memory_bytes,
-                         swap_capacity_bytes=cfg.offload.swap_capacity_bytes, checksum=cfg.offload.checksum)
+                         swap_capacity_bytes=cfg.offload.swap_capacity_bytes, checksum=cfg.offload.checksum,
+                         huge_pages=cfg.offload.huge_pages)
 
     tier = open_()
     if not tier.daemon:

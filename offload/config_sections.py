@@ -400,9 +400,11 @@ class OffloadSectionConfig:
     all-gathering through the process group ([Note: node-shared buffers], offload.zero.node_buffers);
     the same sums for two ranks. Where a rank cannot map it, the process group as before."""
     release_host_heap: bool = True
-    """Hand the host heap's free pages back to the kernel at an optimizer step when resident memory
-    has crept 64 MiB past where it settled, so it stays near what is live ([Note: host heap creep],
-    offload.host_heap)."""
+    """Hand the host heap's free pages back to the kernel at a step when resident memory has crept 64 MiB
+    past where it settled, so it stays near what is live ([Note: host heap creep], offload.host_heap)."""
+    huge_pages: str = "auto"
+    """The embedded store's pool: "auto" (private, on huge pages where the kernel gives them, else shared
+    4 KiB pages) or "off" (shared 4 KiB pages); [Note: private pools] in swap.buffers."""
 
     def __post_init__(self) -> None:
         _text(self, "daemon_socket")
@@ -417,6 +419,8 @@ class OffloadSectionConfig:
             _fail(self, "state_dtype", '"fp32", "bf16" or "int8"')
         if self.gradient_tier not in ("auto", "host", "nvme"):
             _fail(self, "gradient_tier", '"auto", "host" or "nvme"')
+        if self.huge_pages not in ("auto", "off"):
+            _fail(self, "huge_pages", '"auto" or "off"')
 
 
 @dataclass(frozen=True, kw_only=True)

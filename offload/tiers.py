@@ -89,8 +89,10 @@ class Tier:
 
 
 def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: int, aio: Any,
-              host_memory_bytes: int | None, swap_capacity_bytes: int | None, checksum: bool) -> Tier:
-    """Open the daemon session or the embedded store for ``plan``."""
+              host_memory_bytes: int | None, swap_capacity_bytes: int | None, checksum: bool,
+              huge_pages: str = "auto") -> Tier:
+    """Open the daemon session or the embedded store for ``plan`` (``huge_pages``: the embedded pool's,
+    ``offload.huge_pages``)."""
     host_bytes = host_memory_bytes or plan.resident_bytes
     if plan.slot_bytes and not daemon_socket:  # whole slots ([Note: one slot a region])
         host_bytes = max(plan.resident_bytes, host_bytes // plan.slot_bytes * plan.slot_bytes)
@@ -114,7 +116,7 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
     if not plan.nvme:
         store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[],
                                  swap_capacity_bytes=0, segment_bytes=plan.segment_bytes, config=config,
-                                 slot_bytes=plan.slot_bytes)
+                                 slot_bytes=plan.slot_bytes, huge_pages=huge_pages)
         return Tier(store, "embedded TierStore (host memory)")
     swap_bytes = swap_capacity_bytes or plan.swap_bytes
     if swap_bytes < plan.swap_bytes:
@@ -127,7 +129,7 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
         store = TierStore.create(host_capacity_bytes=align_up(host_bytes, PAGE), swap_paths=[swap_dir],
                                  swap_capacity_bytes=align_up(swap_bytes, PAGE), engine_config=engine_config,
                                  segment_bytes=plan.segment_bytes, config=config,
-                                 slot_bytes=plan.slot_bytes)
+                                 slot_bytes=plan.slot_bytes, huge_pages=huge_pages)
     except BaseException:
         shutil.rmtree(swap_dir, ignore_errors=True)
         raise

@@ -23,6 +23,21 @@ the daemon and every session in it. Writes stay allowed (that is what the memory
 them, else thp where shmem allows it, else off. Huge pages make a transfer's buffer a few
 physically contiguous 2 MiB runs rather than hundreds of 4 KiB pages.
 
+[Note: private pools] A pool no other process maps (``shared=False``) is made of private
+anonymous mappings instead of memfds, and anonymous memory takes transparent huge pages in the
+common "madvise" mode, where shared memory's are off by default ("never" in
+``shmem_enabled``): a private pool's huge-page modes read ``/sys/kernel/mm/transparent_hugepage/enabled``
+("hugetlb" maps reserved pages with MAP_HUGETLB). The embedded store's pool is private where that
+gets it huge pages (``embedded_pool_config``). A 0.6B GPT with params, optimizer and gradients on
+NVMe, int8 states, on the 2-vCPU Zen 5 EPYC guest, six alternating pairs: steps 0.82-0.95x the
+time on shared 4 KiB pages, the first step 0.70-0.78x, the 6.8 GiB pool made in 9.4-9.9 s against
+9.8-19.6 s (the slow one the first touch of the guest's memory), the same losses
+(tools/bench/results/host-pages_2core-epyc_202611.md). On 4 KiB pages a private pool was made
+faster (2-3x in a bare test) but stepped slower (4.3-5.2 s against 3.9-4.1 s), so without huge
+pages the embedded pool stays shared. A private segment has no fd to send, and is advised MADV_DONTFORK: a
+forked child (a DataLoader worker) inherits no copy-on-write share of it, so the parent's writes
+and the NVMe reads into it never copy a page.
+
 A pool may also be built over segments that someone else made and keeps (``segments=``):
 the daemon makes its segments once and lends them to one session's pool after another.
 """
@@ -44,13 +59,16 @@ from swap.extents import ExtentAllocator, align_up
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HostBlock", "HostPool", "HostPoolConfig", "HostSegment", "HUGE_PAGE_MODES", "resolve_huge_pages"]
+__all__ = ["HostBlock", "HostPool", "HostPoolConfig", "HostSegment", "HUGE_PAGE_MODES", "embedded_pool_config",
+           "resolve_huge_pages"]
 
 HUGE_PAGE_MODES = ("off", "auto", "hugetlb", "thp")
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """The seals every segment carries (see [Note: sealed segments])."""
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels get EINVAL and the pages are touched by hand
 _SHMEM_THP = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+_ANON_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+_MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
 
 
 def _meminfo() -> dict[str, int]:
@@ -67,8 +85,17 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def resolve_huge_pages(mode: str, capacity_bytes: int, segment_bytes: int) -> tuple[str, str]:
-    """("hugetlb" | "thp" | "off", why) for ``mode`` on this machine (see [Note: huge pages])."""
+def _thp_setting(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+def resolve_huge_pages(mode: str, capacity_bytes: int, segment_bytes: int, shared: bool = True) -> tuple[str, str]:
+    """("hugetlb" | "thp" | "off", why) for ``mode`` on this machine (see [Note: huge pages]); ``shared``:
+    False for a private pool, whose THP is anonymous memory's ([Note: private pools])."""
     if mode == "off":
         return "off", "huge_pages is off"
     info = _meminfo()
@@ -84,16 +111,13 @@ def resolve_huge_pages(mode: str, capacity_bytes: int, segment_bytes: int) -> tu
             raise ConfigError(f"huge_pages = \"hugetlb\": {why}")
     else:
         why = ""
-    try:
-        with open(_SHMEM_THP) as f:
-            setting = f.read().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        setting = "absent"
-    if setting in ("always", "within_size", "advise", "force"):
-        return "thp", f"shared-memory THP is {setting!r}" + (f" ({why})" if why else "")
+    path, kind = (_SHMEM_THP, "shared-memory") if shared else (_ANON_THP, "anonymous-memory")
+    setting = _thp_setting(path)
+    if setting in ("always", "within_size", "advise", "force", "madvise"):
+        return "thp", f"{kind} THP is {setting!r}" + (f" ({why})" if why else "")
     if mode == "thp":
-        raise ConfigError(f"huge_pages = \"thp\": shared-memory THP is {setting!r} in {_SHMEM_THP}")
-    return "off", (f"{why}; " if why else "") + f"shared-memory THP is {setting!r}"
+        raise ConfigError(f"huge_pages = \"thp\": {kind} THP is {setting!r} in {path}")
+    return "off", (f"{why}; " if why else "") + f"{kind} THP is {setting!r}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,6 +137,9 @@ class HostPoolConfig:
     slot_bytes: int | None = None
     """Every block padded to a multiple of this (a multiple of 4096; None: of 4096). Blocks of one
     size never fragment a first-fit pool: a freed block is a hole any other fits."""
+    shared: bool = True
+    """Segments another process may map (sealed memfds). False: this process's alone, private
+    anonymous memory ([Note: private pools])."""
 
     def __post_init__(self) -> None:
         if self.huge_pages not in HUGE_PAGE_MODES:
@@ -131,6 +158,18 @@ class HostPoolConfig:
             raise ConfigError(f"slot_bytes must be a positive multiple of {ALIGNMENT_BYTES}, got {self.slot_bytes}")
 
 
+def embedded_pool_config(capacity_bytes: int, segment_bytes: int | None, slot_bytes: int | None,
+                         huge_pages: str = "auto") -> HostPoolConfig:
+    """The pool of a store no other process maps: private, where that gets it huge pages; else shared
+    memory on 4 KiB pages as before ([Note: private pools])."""
+    seg = capacity_bytes if segment_bytes is None else segment_bytes
+    huge = "off" if huge_pages == "off" else resolve_huge_pages(huge_pages, capacity_bytes, seg, shared=False)[0]
+    if huge == "off":
+        return HostPoolConfig(capacity_bytes=capacity_bytes, segment_bytes=segment_bytes, slot_bytes=slot_bytes)
+    return HostPoolConfig(capacity_bytes=capacity_bytes, segment_bytes=segment_bytes, slot_bytes=slot_bytes,
+                          shared=False, huge_pages=huge_pages)
+
+
 class HostBlock(NamedTuple):
     """Where a block lives: segment, byte offset in it, and its padded length."""
 
@@ -140,14 +179,20 @@ class HostBlock(NamedTuple):
 
 
 class HostSegment:
-    """One sealed memfd segment, mapped shared. ``fd`` stays open until the segment closes.
+    """One sealed memfd segment, mapped shared. ``fd`` stays open until the segment closes. With
+    ``shared`` False, a private anonymous mapping instead, ``fd`` None ([Note: private pools]).
 
     ``huge`` is "hugetlb", "thp" or "off" (already resolved; see [Note: huge pages])."""
 
-    def __init__(self, index: int, nbytes: int, name: str, pretouch: bool, huge: str = "off") -> None:
+    def __init__(self, index: int, nbytes: int, name: str, pretouch: bool, huge: str = "off",
+                 shared: bool = True) -> None:
         self.index = index
         self.nbytes = nbytes
         self.huge = huge
+        self.fd: int | None = None
+        if not shared:
+            self._map_private(pretouch)
+            return
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | (os.MFD_HUGETLB if huge == "hugetlb" else 0)
         self.fd = os.memfd_create(f"{name}-{index}", flags)
         try:
@@ -165,6 +210,18 @@ class HostSegment:
             raise
         self._keep, self.address = aio.buffer_address(self.mmap)
         self.allocator = ExtentAllocator(nbytes, ALIGNMENT_BYTES)
+
+    def _map_private(self, pretouch: bool) -> None:
+        hugetlb = getattr(mmap, "MAP_HUGETLB", 0x40000) if self.huge == "hugetlb" else 0
+        self.mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | hugetlb,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mmap.madvise(_MADV_DONTFORK)
+        if self.huge == "thp":
+            self.mmap.madvise(mmap.MADV_HUGEPAGE)
+        if pretouch:
+            self._populate()
+        self._keep, self.address = aio.buffer_address(self.mmap)
+        self.allocator = ExtentAllocator(self.nbytes, ALIGNMENT_BYTES)
 
     def _populate(self) -> None:
         try:
@@ -188,7 +245,7 @@ class HostSegment:
         """Give the pages back to the system now (MADV_REMOVE), even while others still map them:
         whoever touches them afterwards faults in fresh zero pages of its own."""
         try:
-            self.mmap.madvise(mmap.MADV_REMOVE)
+            self.mmap.madvise(mmap.MADV_REMOVE if self.fd is not None else mmap.MADV_DONTNEED)
         except (OSError, ValueError) as exc:
             logger.debug("segment %d: MADV_REMOVE refused (%s); pages go with the last mapping", self.index, exc)
 
@@ -198,7 +255,8 @@ class HostSegment:
             self.mmap.close()
         except BufferError:  # a view is still exported; the mapping goes when the last view does
             logger.debug("segment %d still has views; its mapping is released with them", self.index)
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 class HostPool:
@@ -222,16 +280,17 @@ class HostPool:
                 seg.reset()
             self.segments = list(segments)
             return
-        huge, why = resolve_huge_pages(config.huge_pages, config.capacity_bytes, config.segment_bytes)
+        huge, why = resolve_huge_pages(config.huge_pages, config.capacity_bytes, config.segment_bytes, config.shared)
         try:
             for i in range(count):
-                self.segments.append(HostSegment(i, config.segment_bytes, config.name, config.pretouch, huge))
+                self.segments.append(HostSegment(i, config.segment_bytes, config.name, config.pretouch, huge,
+                                                 config.shared))
         except OSError as exc:
             self.close()
             raise TierFullError(f"host pool: cannot create segment {len(self.segments)} of "
                                 f"{config.segment_bytes} bytes: {exc.strerror}") from exc
-        logger.info("host pool: %d segment(s) of %d bytes, huge pages %s (%s)", count, config.segment_bytes,
-                    huge, why)
+        logger.info("host pool: %d %s segment(s) of %d bytes, huge pages %s (%s)", count,
+                    "shared" if config.shared else "private", config.segment_bytes, huge, why)
 
     @property
     def capacity_bytes(self) -> int:

@@ -22,7 +22,7 @@ import time
 from typing import Iterable
 
 from csrc import ConfigError, OffloadError
-from swap.buffers import HostBlock, HostPool, HostPoolConfig
+from swap.buffers import HostBlock, HostPool, embedded_pool_config
 from swap.engine import IoEngine, IoEngineConfig, open_engine
 from swap.records import RegionInfo, Tier, TierStats, TierStoreConfig
 from swap.space import Placement, SwapSpace, SwapSpaceConfig
@@ -113,15 +113,17 @@ class TierStore:
     @classmethod
     def create(cls, *, host_capacity_bytes: int, swap_paths: Iterable[str], swap_capacity_bytes: int,
                segment_bytes: int | None = None, engine_config: IoEngineConfig | None = None,
-               config: TierStoreConfig | None = None, slot_bytes: int | None = None) -> "TierStore":
+               config: TierStoreConfig | None = None, slot_bytes: int | None = None,
+               huge_pages: str = "auto") -> "TierStore":
         """A store that makes (and on close, closes) its own pool, engine and swap space.
 
         No ``swap_paths`` makes a host-only store (no engine, no swap space). ``slot_bytes``: the
-        pool's (``HostPoolConfig.slot_bytes``)."""
+        pool's (``HostPoolConfig.slot_bytes``). The pool is this process's alone: private memory on
+        huge pages where the kernel gives them (``embedded_pool_config``)."""
         paths = tuple(swap_paths)
+        pool_config = embedded_pool_config(host_capacity_bytes, segment_bytes, slot_bytes, huge_pages)
         if not paths:
-            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes,
-                                           slot_bytes=slot_bytes))
+            pool = HostPool(pool_config)
             store = cls(config or TierStoreConfig(), pool=pool, space=None, engine=None)
             store._owned = [pool]
             return store
@@ -130,8 +132,7 @@ class TierStore:
         try:
             space = SwapSpace(SwapSpaceConfig(paths=paths, capacity_bytes=swap_capacity_bytes), engine=engine)
             parts.append(space)
-            pool = HostPool(HostPoolConfig(capacity_bytes=host_capacity_bytes, segment_bytes=segment_bytes,
-                                           slot_bytes=slot_bytes))
+            pool = HostPool(pool_config)
             parts.append(pool)
         except BaseException:
             for part in reversed(parts):

@@ -132,7 +132,8 @@ def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, chec
 
     def open_() -> Tier:
         return open_tier(plan, daemon_socket=socket, job_id=job, rank=rank, aio=aio, host_memory_bytes=None,
-                         swap_capacity_bytes=None, checksum=checksum)
+                         swap_capacity_bytes=None, checksum=checksum,
+                         huge_pages=offload.huge_pages if offload is not None else "auto")
 
     tier = open_()
     if getattr(tier.store, "reattached", False):  # left by a process that died: its shards are stale

@@ -46,6 +46,8 @@ CASES = {
     "nvme_path a file": (_offload(device="nvme", nvme_path=lambda d: str(d / "a_file")),
                          ["zero_optimization.offload_optimizer.nvme_path", "a_file", "not a directory"]),
     "unknown offload device": (_offload(device="gpu"), ["device", "gpu"]),
+    "unknown huge_pages": (lambda cfg, nvme: cfg.update(offload={"huge_pages": "always"}),
+                           ["offload.huge_pages", "always", '"auto" or "off"']),
     "unknown key": (lambda cfg, nvme: cfg["zero_optimization"].update(stage_size=3),
                     ["zero_optimization.stage_size"]),
     "negative gradient_clipping": (lambda cfg, nvme: cfg.update(gradient_clipping=-1.0),

@@ -84,6 +84,8 @@ def engine_config(args, nvme_path: str) -> dict:
         out["bf16"] = {"enabled": True}
     if args.grad_accum_dtype != "fp32":
         out["data_types"] = {"grad_accum_dtype": args.grad_accum_dtype}
+    if args.huge_pages != "auto":
+        out.setdefault("offload", {})["huge_pages"] = args.huge_pages
     return out
 
 
@@ -202,7 +204,8 @@ def _label(result: dict) -> str:
     c = result["config"]
     return (f"{'bf16' if c.get('bf16', {}).get('enabled') else 'fp32'} shards, "
             f"{c.get('offload', {}).get('state_dtype', 'fp32')} states, "
-            f"{c.get('data_types', {}).get('grad_accum_dtype', 'fp32')} gradients on {result.get('gradient_tier', 'host')}")
+            f"{c.get('data_types', {}).get('grad_accum_dtype', 'fp32')} gradients on "
+            f"{result.get('gradient_tier', 'host')}, huge_pages {c.get('offload', {}).get('huge_pages', 'auto')}")
 
 
 def compare(base: dict, new: dict) -> str:
@@ -216,14 +219,16 @@ def compare(base: dict, new: dict) -> str:
     for r in (base, new):
         later = r["steps"][1:] or r["steps"]
         rows.append((_label(r), med([s["seconds"] for s in later]), med([s["bytes_read"] for s in later]),
-                     med([s["bytes_written"] for s in later]), max(s["VmHWM"] for s in r["steps"]), r["when"]))
+                     med([s["bytes_written"] for s in later]), max(s["VmHWM"] for s in r["steps"]), r["when"],
+                     r["setup_seconds"], r["steps"][0]["seconds"]))
     lines = [f"## {new['params'] / 1e9:.2f} B params: {rows[1][0]} against {rows[0][0]}", "",
-             "| run | step s (median of steps 2..) | read GB / step | written GB / step | VmHWM GiB | when |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {lab} | {t:.1f} | {rd / 1e9:.1f} | {wr / 1e9:.1f} | {hwm / GIB:.2f} | {when} |"
-              for lab, t, rd, wr, hwm, when in rows]
-    (_, t0, r0, w0, _, _), (_, t1, r1, w1, _, _) = rows
-    lines += ["", f"Step time {t1 / t0:.2f}x the first run's; bytes read {r1 / r0:.2f}x, written {w1 / w0:.2f}x."]
+             "| run | set-up s | step 1 s | step s (median of steps 2..) | read GB / step | written GB / step | "
+             "VmHWM GiB | when |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {lab} | {su:.1f} | {s1:.1f} | {t:.1f} | {rd / 1e9:.1f} | {wr / 1e9:.1f} | {hwm / GIB:.2f} | {when} |"
+              for lab, t, rd, wr, hwm, when, su, s1 in rows]
+    (_, t0, r0, w0, _, _, su0, s10), (_, t1, r1, w1, _, _, su1, s11) = rows
+    lines += ["", f"Step time {t1 / t0:.2f}x the first run's (step 1 {s11 / s10:.2f}x, set-up {su1 / su0:.2f}x); "
+                  f"bytes read {r1 / r0:.2f}x, written {w1 / w0:.2f}x."]
     return "\n".join(lines) + "\n"
 
 
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16", action="store_true", help="compute (and stage 3 param shards) in bf16")
     ap.add_argument("--gradient-tier", default="auto", choices=("auto", "host", "nvme"), help="offload.gradient_tier")
     ap.add_argument("--grad-accum-dtype", default="fp32", choices=("fp32", "bf16"), help="data_types.grad_accum_dtype")
+    ap.add_argument("--huge-pages", default="auto", choices=("auto", "off"), help="offload.huge_pages")
     ap.add_argument("--json", help="write the measurements here")
     ap.add_argument("--report-from", help="only write the report, from a JSON this script wrote")
     ap.add_argument("--out", help="the Markdown report")
