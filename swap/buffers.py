@@ -117,7 +117,8 @@ def resolve_huge_pages(mode: str, capacity_bytes: int, segment_bytes: int, share
         return "thp", f"{kind} THP is {setting!r}" + (f" ({why})" if why else "")
     if mode == "thp":
         raise ConfigError(f"huge_pages = \"thp\": {kind} THP is {setting!r} in {path}")
-    return "off", (f"{why}; " if why else "") + f"{kind} THP is {setting!r}"
+    hint = f" in {path}; 'advise' there would give the pool huge pages" if setting in ("never", "deny") else ""
+    return "off", (f"{why}; " if why else "") + f"{kind} THP is {setting!r}{hint}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

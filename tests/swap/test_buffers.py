@@ -201,7 +201,8 @@ def test_huge_page_modes_of_a_private_pool_read_the_anonymous_memory_setting(tmp
     anon.write_text("always [madvise] never\n")
     shmem.write_text("always within_size advise [never] deny force\n")
     assert buffers.resolve_huge_pages("auto", 1 << 30, 1 << 21, shared=False)[0] == "thp"
-    assert buffers.resolve_huge_pages("auto", 1 << 30, 1 << 21, shared=True)[0] == "off"
+    huge, why = buffers.resolve_huge_pages("auto", 1 << 30, 1 << 21, shared=True)
+    assert huge == "off" and f"shared-memory THP is 'never' in {shmem}; 'advise' there would give" in why
     anon.write_text("always madvise [never]\n")
     assert buffers.resolve_huge_pages("auto", 1 << 30, 1 << 21, shared=False)[0] == "off"
     with pytest.raises(ConfigError, match="anonymous-memory THP is 'never'"):
