@@ -185,7 +185,7 @@ def _anon_thp() -> str:
 @pytest.mark.skipif(_anon_thp() not in ("always", "madvise"), reason="anonymous THP is off on this kernel")
 def test_a_private_pool_takes_anonymous_huge_pages_where_shared_memory_has_none():
     with HostPool(HostPoolConfig(capacity_bytes=16 << 20, segment_bytes=16 << 20, shared=False,
-                                 huge_pages="auto")) as pool:
+                                 huge_pages="thp")) as pool:
         seg = pool.segments[0]
         assert seg.huge == "thp"
         assert _rss_of(seg.address, "AnonHugePages:") > 0
@@ -235,3 +235,22 @@ def test_the_embedded_store_is_private_where_that_gets_huge_pages_else_shared(tm
         assert bytes(store.host_view("x")) == payload  # through NVMe into private memory and back
     finally:
         store.close()
+
+
+def _free_hugetlb_bytes() -> int:
+    info = {line.split(":")[0]: line.split()[1] for line in open("/proc/meminfo")}
+    return int(info.get("HugePages_Free", 0)) * int(info.get("Hugepagesize", 2048)) * 1024
+
+
+@pytest.mark.skipif(_free_hugetlb_bytes() < 16 << 20, reason="fewer than 16 MiB of huge pages reserved (vm.nr_hugepages)")
+def test_a_private_pool_on_reserved_huge_pages():
+    before = _free_hugetlb_bytes()
+    with HostPool(HostPoolConfig(capacity_bytes=8 << 20, segment_bytes=4 << 20, shared=False,
+                                 huge_pages="hugetlb")) as pool:
+        assert all(seg.huge == "hugetlb" and seg.fd is None for seg in pool.segments)
+        assert _rss_of(pool.segments[0].address, "KernelPageSize:") > 4096
+        assert _free_hugetlb_bytes() <= before - (8 << 20)  # the pool's pages came from the reserve
+        block = pool.allocate(3 << 20)
+        payload = os.urandom(3 << 20)
+        pool.view(block)[:] = payload
+        assert bytes(pool.view(block)) == payload
