@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from csrc import OffloadError
 from offload.tiers import packed_quota_bytes
@@ -19,7 +19,7 @@ from offload.tiers import packed_quota_bytes
 logger = logging.getLogger(__name__)
 
 __all__ = ["POOL_ERRORS", "POOL_SHARE", "DaemonPool", "blocks_in_quota", "daemon_budget_bytes", "daemon_state_window",
-           "daemon_window_size", "read_pool", "reattached_window"]
+           "daemon_window_size", "read_pool", "reattached_window", "session_terms"]
 
 POOL_SHARE = 2
 """The ranks of one job take at most 1/POOL_SHARE of the daemon's pool: the rest is for other jobs."""
@@ -96,6 +96,15 @@ def read_pool(socket_path: str) -> DaemonPool:
 POOL_ERRORS = (OSError, OffloadError, KeyError, TypeError, ValueError)
 
 
+def session_terms(plan: Any) -> dict[str, int]:
+    """What a daemon session of ``plan`` (``offload.tiers.TierPlan``, window 0) holds besides its window's
+    blocks, and its largest region: the ``fixed_bytes`` and ``largest_region_bytes`` of the window rules."""
+    from offload.resume import session_fixed_bytes
+
+    return {"fixed_bytes": plan.resident_bytes + session_fixed_bytes(plan),
+            "largest_region_bytes": max(plan.region_bytes, default=0)}
+
+
 def _local_ranks() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
@@ -108,7 +117,8 @@ def daemon_budget_bytes(socket_path: str) -> tuple[int | None, str]:
     except POOL_ERRORS as exc:
         return None, f"nothing (the daemon's pool could not be read: {exc})"
     ranks = _local_ranks()
-    return pool.rank_budget_bytes(ranks), f"1/{POOL_SHARE} of the daemon's pool" + (f" over {ranks} ranks" if ranks > 1 else "")
+    where = f"1/{POOL_SHARE} of the daemon's pool" + (f" over {ranks} ranks" if ranks > 1 else "")
+    return pool.rank_budget_bytes(ranks), where
 
 
 def blocks_in_quota(block_bytes: Sequence[int], *, fixed_bytes: int, largest_region_bytes: int, segment_bytes: int,

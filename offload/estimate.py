@@ -37,7 +37,7 @@ from typing import Any, Iterable
 import torch
 
 from csrc import ConfigError
-from offload.resume import session_fixed_bytes
+from offload.daemon_window import session_terms
 from offload.tiers import plan_bytes
 from offload.zero.block_undo import block_undo_bytes
 from offload.zero.grad_tier import gradients_on_nvme
@@ -167,6 +167,7 @@ class EstimateInput:
     estimate`` from the daemon the config names; None: not read."""
     local_ranks: int | None = None
     """Ranks of the job on the node, sharing the daemon's pool (LOCAL_WORLD_SIZE); None: ``world_size``."""
+
     param_buffer_count: int = 5
     """offload_param.buffer_count (shards in host memory with nvme)."""
     max_live: int = 1_000_000_000
@@ -187,6 +188,11 @@ class EstimateInput:
     """offload.gradient_tier: stage 3's accumulators resident or on NVMe ([Note: gradient tier])."""
     grad_accum_dtype: str = "fp32"
     """data_types.grad_accum_dtype: the offloaded accumulators' dtype (fp32 4, bf16 2 bytes per element)."""
+
+    @property
+    def node_ranks(self) -> int:
+        """The ranks sharing the daemon's pool: ``local_ranks``, else ``world_size``."""
+        return self.local_ranks or self.world_size
 
     @classmethod
     def from_config(cls, config: Any, shapes: ModelShapes, *, world_size: int = 1,
@@ -294,7 +300,7 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
         return [(accumulators, "host", grads), (what, "host", sum(states))] + undo
     floor = max(2, inp.optimizer_buffer_count)
     pool = inp.daemon_pool if inp.daemon and inp.host_memory_bytes is None else None
-    ranks = inp.local_ranks or inp.world_size
+    ranks = inp.node_ranks
     budget = None if pool is None else (lambda: (pool.rank_budget_bytes(ranks), "the daemon's pool"))
     grads_nvme = gradients_on_nvme(inp.gradient_tier, stage=stage, optimizer_nvme=True, partition_numel=partition,
                                    host_memory_bytes=inp.host_memory_bytes, log=False, grad_itemsize=gi,
@@ -305,8 +311,7 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
                       state_bytes=[state_block_bytes(n, inp.state_dtype) for n in numels])
     items = list(plan.state_bytes)
     if pool is not None:  # as offload.state_window sizes it through a daemon
-        blocks, _ = pool.window(items, floor=floor, fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
-                                largest_region_bytes=max(plan.region_bytes, default=0), local_ranks=ranks)
+        blocks, _ = pool.window(items, floor=floor, local_ranks=ranks, **session_terms(plan))
     elif inp.daemon and inp.host_memory_bytes is None:
         blocks = floor
     else:

@@ -110,7 +110,7 @@ def run_cli(args: Any) -> int:
         inp = dataclasses.replace(inp, grad_accum_dtype=args.grad_accum_dtype)
     daemon_line = None
     if inp.daemon and inp.host_memory_bytes is None:
-        inp, daemon_line = _with_daemon_pool(inp, read_config(config, world_size=args.world_size))
+        inp, daemon_line = _with_daemon_pool(inp, cfg or read_config(config, world_size=args.world_size))
     est = estimate(inp, stages=args.stage or (0, 1, 2, 3))
     detail = None
     if args.detail:
@@ -147,7 +147,7 @@ def _with_daemon_pool(inp: EstimateInput, cfg: Any) -> tuple[EstimateInput, str]
     except POOL_ERRORS as exc:
         return inp, (f"the daemon at {socket} could not be read ({exc}): the optimizer state window is taken at "
                      "buffer_count blocks, and gradient_tier auto judged by this machine's memory")
-    ranks = inp.local_ranks or inp.world_size
+    ranks = inp.node_ranks
     return dataclasses.replace(inp, daemon_pool=pool), (
         f"through the daemon at {socket}: {pool.describe()}; a rank's share, 1/{POOL_SHARE} of it over {ranks} "
         f"rank(s), {pool.rank_budget_bytes(ranks) / 1e9:.2f} GB, sizes the state window and gradient_tier auto")

@@ -75,12 +75,9 @@ def state_window(cfg: EngineConfig, layout: FlatLayout, *, grads_nvme: bool) -> 
     plan = tier_plan(cfg, layout, window=0, grads_nvme=grads_nvme)
     socket = resolve_daemon_socket(cfg.offload)
     if socket and cfg.offload.host_memory_bytes is None:
-        from offload.daemon_window import daemon_state_window
-        from offload.resume import session_fixed_bytes
+        from offload.daemon_window import daemon_state_window, session_terms
 
-        return daemon_state_window(socket, plan.state_bytes, floor=floor,
-                                   fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
-                                   largest_region_bytes=max(plan.region_bytes, default=0))
+        return daemon_state_window(socket, plan.state_bytes, floor=floor, **session_terms(plan))
     return window_size(plan.state_bytes, floor=floor, fixed_bytes=plan.resident_bytes,
                        host_memory_bytes=cfg.offload.host_memory_bytes, what="optimizer state")
 
@@ -88,10 +85,8 @@ def state_window(cfg: EngineConfig, layout: FlatLayout, *, grads_nvme: bool) -> 
 def reattached_state_window(cfg: EngineConfig, layout: FlatLayout, tier: Any, window: int, *,
                             grads_nvme: bool) -> int:
     """The window of a session reattached in the daemon: what its quota holds now."""
-    from offload.daemon_window import reattached_window
-    from offload.resume import session_fixed_bytes
+    from offload.daemon_window import reattached_window, session_terms
 
     plan = tier_plan(cfg, layout, window=0, grads_nvme=grads_nvme)
     return reattached_window(tier.store, plan.state_bytes, window, floor=_floor(cfg, layout, grads_nvme),
-                             fixed_bytes=plan.resident_bytes + session_fixed_bytes(plan),
-                             largest_region_bytes=max(plan.region_bytes, default=0))
+                             **session_terms(plan))

@@ -30,11 +30,10 @@ common "madvise" mode, where shared memory's are off by default ("never" in
 ("hugetlb" maps reserved pages with MAP_HUGETLB). The embedded store's pool is private where that
 gets it huge pages (``embedded_pool_config``). A 0.6B GPT with params, optimizer and gradients on
 NVMe, int8 states, on the 2-vCPU Zen 5 EPYC guest, six alternating pairs: steps 0.82-0.95x the
-time on shared 4 KiB pages, the first step 0.70-0.78x, the 6.8 GiB pool made in 9.4-9.9 s against
-9.8-19.6 s (the slow one the first touch of the guest's memory), the same losses
-(tools/bench/results/host-pages_2core-epyc_202611.md). On 4 KiB pages a private pool was made
-faster (2-3x in a bare test) but stepped slower (4.3-5.2 s against 3.9-4.1 s), so without huge
-pages the embedded pool stays shared. A private segment has no fd to send, and is advised MADV_DONTFORK: a
+time on shared 4 KiB pages, the first step 0.70-0.78x, the same losses (three of the pairs by a
+throwaway driver; tools/bench/results/host-pages_2core-epyc_202611.md). On 4 KiB pages a private
+pool was made faster (2-3x in a throwaway test) but stepped slower (4.3-5.2 s against 3.9-4.1 s), so
+without huge pages the embedded pool stays shared. A private segment has no fd to send, and is advised MADV_DONTFORK: a
 forked child (a DataLoader worker) inherits no copy-on-write share of it, so the parent's writes
 and the NVMe reads into it never copy a page.
 
@@ -248,7 +247,7 @@ class HostSegment:
         try:
             self.mmap.madvise(mmap.MADV_REMOVE if self.fd is not None else mmap.MADV_DONTNEED)
         except (OSError, ValueError) as exc:
-            logger.debug("segment %d: MADV_REMOVE refused (%s); pages go with the last mapping", self.index, exc)
+            logger.debug("segment %d: its pages not released (%s); they go with the last mapping", self.index, exc)
 
     def close(self) -> None:
         self._keep = None

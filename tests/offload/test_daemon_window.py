@@ -162,8 +162,8 @@ def test_the_estimate_sizes_the_window_from_the_daemons_pool_as_the_engine_does(
         shapes = shapes_from_model(ckpt_worker.model(), persistence_threshold=0)
 
         def estimated_window(ranks: int) -> int:
-            inp = dataclasses.replace(EstimateInput.from_config(config, shapes), daemon_pool=read_pool(daemon.socket_path),
-                                      local_ranks=ranks)
+            inp = dataclasses.replace(EstimateInput.from_config(config, shapes),
+                                      daemon_pool=read_pool(daemon.socket_path), local_ranks=ranks)
             parts = {what: b for what, _, b in estimate(inp, stages=[2]).row(stage=2, optimizer="nvme").parts}
             return parts["state window (host budget, buffer_count at least)"]
 

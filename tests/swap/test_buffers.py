@@ -242,7 +242,8 @@ def _free_hugetlb_bytes() -> int:
     return int(info.get("HugePages_Free", 0)) * int(info.get("Hugepagesize", 2048)) * 1024
 
 
-@pytest.mark.skipif(_free_hugetlb_bytes() < 16 << 20, reason="fewer than 16 MiB of huge pages reserved (vm.nr_hugepages)")
+@pytest.mark.skipif(_free_hugetlb_bytes() < 16 << 20,
+                    reason="fewer than 16 MiB of huge pages reserved (vm.nr_hugepages)")
 def test_a_private_pool_on_reserved_huge_pages():
     before = _free_hugetlb_bytes()
     with HostPool(HostPoolConfig(capacity_bytes=8 << 20, segment_bytes=4 << 20, shared=False,
