@@ -44,7 +44,7 @@ __all__ = [
     "stream_inplace",
 ]
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 
@@ -218,6 +218,7 @@ def adam_step(
     params_out: Sequence[torch.Tensor] | None = None,
     exp_avg_scales: Sequence[torch.Tensor] | None = None,
     exp_avg_sq_scales: Sequence[torch.Tensor] | None = None,
+    master_seeds: Sequence[int] | None = None,
 ) -> bool:
     """One Adam step over all tensors in one C call; returns True if a scaled gradient was not finite.
 
@@ -227,13 +228,16 @@ def adam_step(
     bfloat16/float16/float32 tensors that receive the updated params in the same pass.
     For many calls over the same buffers, ``AdamPlan`` checks them once. Moments of dtype
     bfloat16, or uint8 codes with their float32 block scales (``exp_avg_scales``,
-    ``exp_avg_sq_scales``), are compressed states: ``cpu_adam.quant.adam_step_q`` steps them.
+    ``exp_avg_sq_scales``), are compressed states: ``cpu_adam.quant.adam_step_q`` steps them,
+    and with them ``params`` may be bfloat16 masters rounded stochastically (``master_seeds``).
     """
     if exp_avgs and exp_avgs[0].dtype in (torch.bfloat16, torch.uint8):
         from cpu_adam.quant import adam_step_q  # it imports this module
         return adam_step_q(params, grads, exp_avgs, exp_avg_sqs, steps, config=config, grad_scale=grad_scale,
                            params_out=params_out, exp_avg_scales=exp_avg_scales,
-                           exp_avg_sq_scales=exp_avg_sq_scales)
+                           exp_avg_sq_scales=exp_avg_sq_scales, master_seeds=master_seeds)
+    if master_seeds is not None:
+        raise ConfigError("a bf16 master (master_seeds) needs compressed moments: bfloat16 or int8 exp_avgs")
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
     if params_out is not None:

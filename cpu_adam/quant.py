@@ -27,8 +27,8 @@ from cpu_adam.kernels import (AdamConfig, address_array, config_struct, default_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Q8_BLOCK", "Moments", "StateDtype", "adam_step_q", "dequantize", "q8_map", "quantize",
-           "scale_count", "zeros_moments"]
+__all__ = ["Q8_BLOCK", "Moments", "StateDtype", "adam_step_q", "bf16_round_sr", "dequantize", "q8_map",
+           "quantize", "scale_count", "zeros_moments"]
 
 Q8_BLOCK = lib.OFL_Q8_BLOCK
 
@@ -141,10 +141,22 @@ def adam_step_q(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor], *, config: AdamConfig,
                 grad_scale: float = 1.0, params_out: Sequence[torch.Tensor] | None = None,
                 exp_avg_scales: Sequence[torch.Tensor] | None = None,
-                exp_avg_sq_scales: Sequence[torch.Tensor] | None = None) -> bool:
+                exp_avg_sq_scales: Sequence[torch.Tensor] | None = None,
+                master_seeds: Sequence[int] | None = None) -> bool:
     """``adam_step`` over bf16 or int8 moments (their dtype says which); True if a scaled gradient
-    was not finite. int8 moments need ``exp_avg_scales`` and ``exp_avg_sq_scales``."""
+    was not finite. int8 moments need ``exp_avg_scales`` and ``exp_avg_sq_scales``.
+
+    ``params`` float32, or bfloat16 masters stored back by stochastic rounding ([Note: a bf16
+    master] in ``csrc/ofl_adam.h``): each then needs its ``master_seeds`` entry (a 64-bit
+    integer naming the tensor; the rounding of an element depends on it, its index and the
+    step count only)."""
     n = len(params)
+    master = params[0].dtype if n else torch.float32
+    if master not in (torch.float32, torch.bfloat16):
+        raise ConfigError(f"params have dtype {master}; a master is float32 or bfloat16")
+    if master is torch.bfloat16 and (master_seeds is None or len(master_seeds) != n):
+        raise ConfigError(f"bfloat16 masters need one master_seeds entry each ({n}), "
+                          f"got {'none' if master_seeds is None else len(master_seeds)}")
     sd = {torch.bfloat16: StateDtype.BF16, torch.uint8: StateDtype.INT8}.get(exp_avgs[0].dtype) if n else None
     if n and sd is None:
         raise ConfigError(f"exp_avgs have dtype {exp_avgs[0].dtype}; supported: float32, bfloat16, uint8 (int8 codes)")
@@ -162,7 +174,7 @@ def adam_step_q(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
         return False
     numels = [p.numel() for p in params]
     f32 = torch.float32
-    keep = [address_array(params, "params", f32, None), address_array(grads, "grads", grads[0].dtype, numels),
+    keep = [address_array(params, "params", master, None), address_array(grads, "grads", grads[0].dtype, numels),
             address_array(exp_avgs, "exp_avgs", sd.moment_dtype, numels),
             address_array(exp_avg_sqs, "exp_avg_sqs", sd.moment_dtype, numels)]
     zeros = array.array("Q", [0] * n)
@@ -190,5 +202,25 @@ def adam_step_q(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
     tens.count = n
     cfg = config_struct(config, grad_scale, grad_code, out_code)
     nonfinite = ffi.new("int32_t *")
-    raise_errno(lib.ofl_adam_step_q(cfg, _CODES[sd], tens, nonfinite), "ofl_adam_step_q")
+    if master is torch.float32:
+        raise_errno(lib.ofl_adam_step_q(cfg, _CODES[sd], tens, nonfinite), "ofl_adam_step_q")
+    else:
+        seeds = ffi.from_buffer("uint64_t[]", array.array("Q", [int(s) & _U64 for s in master_seeds]))
+        raise_errno(lib.ofl_adam_step_qm(cfg, _CODES[sd], lib.OFL_DTYPE_BF16, tens, seeds, nonfinite),
+                    "ofl_adam_step_qm")
     return bool(nonfinite[0])
+
+
+_U64 = (1 << 64) - 1
+
+
+def bf16_round_sr(x: torch.Tensor, *, seed: int, step: int, first: int = 0, isa: str | None = None) -> torch.Tensor:
+    """float32 ``x`` rounded to bfloat16 as a bf16 master's step rounds elements ``first`` ..
+    ``first + numel - 1`` of the tensor of ``seed`` at step count ``step``."""
+    n = x.numel()
+    _flat_check(x, "x", torch.float32, n)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    rc = lib.ofl_bf16_round_sr(ffi.cast("float *", x.data_ptr()), ffi.cast("uint16_t *", out.data_ptr()), n,
+                               int(seed) & _U64, int(step), int(first), resolve_isa(isa))
+    raise_errno(rc, "ofl_bf16_round_sr")
+    return out

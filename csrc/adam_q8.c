@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
+#include "adam_master.h"
 #include "adam_q8.h"
 #include "ofl_parallel.h"
 
@@ -136,7 +137,35 @@ typedef struct {
     const int64_t *starts; /* count + 1 entries, in elements padded to whole blocks */
     ofl_adamq_kernel_fn kernel;
     int32_t nonfinite;
+    int32_t md;                  /* the master's dtype: OFL_DTYPE_F32 or _BF16 */
+    const uint32_t *keys;        /* bf16 master: each tensor's rounding key (ofl_sr_key) */
+    ofl_master_kernels master;
 } adamq_job;
+
+/* A bf16 master's elements [off, off + len) of tensor i, tile by tile: widened into a stack
+ * buffer, stepped as an fp32 master (no copy written), rounded back stochastically, then the
+ * copy written from the rounded value ([Note: a bf16 master] in ofl_adam.h). */
+static int32_t adamq_bf16_master(adamq_job *job, int64_t i, int64_t off, int64_t len, char *g, int64_t eg,
+                                 char *m, char *v, int64_t es, float *ms, float *vs, char *out, int64_t eo) {
+    float tile[OFL_MASTER_TILE] __attribute__((aligned(64)));
+    uint16_t *master = (uint16_t *)(uintptr_t)job->t->param[i] + off;
+    int32_t gd = job->cfg->grad_dtype, od = job->cfg->out_dtype, bad = 0;
+    for (int64_t k = 0; k < len; k += OFL_MASTER_TILE) {
+        int64_t n = len - k < OFL_MASTER_TILE ? len - k : OFL_MASTER_TILE;
+        int64_t b = k / OFL_Q8_BLOCK;
+        job->master.widen(master + k, tile, n);
+        bad |= job->kernel(&job->coeffs[i], gd, OFL_DTYPE_NONE, job->sd, tile, g + k * eg, m + k * es, v + k * es,
+                           ms ? ms + b : NULL, vs ? vs + b : NULL, NULL, n);
+        job->master.store_sr(tile, master + k, n, job->keys[i], (uint32_t)(off + k));
+        if (od == OFL_DTYPE_BF16) {
+            memcpy(out + k * eo, master + k, (size_t)n * 2);
+        } else if (od != OFL_DTYPE_NONE) {
+            job->master.widen(master + k, tile, n);
+            for (int64_t j = 0; j < n; j++) ofl_store_out1(od, out + k * eo, j, tile[j]);
+        }
+    }
+    return bad;
+}
 
 /* Tensor i's elements [off, off + len), off on a block boundary. */
 static void adamq_segment(adamq_job *job, int64_t i, int64_t off, int64_t len) {
@@ -149,6 +178,12 @@ static void adamq_segment(adamq_job *job, int64_t i, int64_t off, int64_t len) {
         vs = (float *)(uintptr_t)t->exp_avg_sq_scale[i] + off / OFL_Q8_BLOCK;
     }
     char *out = od == OFL_DTYPE_NONE ? NULL : (char *)(uintptr_t)t->param_out[i] + off * eo;
+    if (job->md == OFL_DTYPE_BF16) {
+        char *m = (char *)(uintptr_t)t->exp_avg[i] + off * es, *v = (char *)(uintptr_t)t->exp_avg_sq[i] + off * es;
+        if (adamq_bf16_master(job, i, off, len, (char *)(uintptr_t)t->grad[i] + off * eg, eg, m, v, es, ms, vs, out, eo))
+            __atomic_store_n(&job->nonfinite, 1, __ATOMIC_RELAXED);
+        return;
+    }
     int32_t bad = job->kernel(&job->coeffs[i], gd, od, job->sd, (float *)(uintptr_t)t->param[i] + off,
                               (char *)(uintptr_t)t->grad[i] + off * eg, (char *)(uintptr_t)t->exp_avg[i] + off * es,
                               (char *)(uintptr_t)t->exp_avg_sq[i] + off * es, ms, vs, out, len);
@@ -196,17 +231,30 @@ static int32_t check_q_args(const ofl_adam_config *cfg, int32_t sd, const ofl_ad
 
 int32_t ofl_adam_step_q(const ofl_adam_config *cfg, int32_t sd, const ofl_adam_qtensors *t,
                         int32_t *nonfinite_out) {
+    return ofl_adam_step_qm(cfg, sd, OFL_DTYPE_F32, t, NULL, nonfinite_out);
+}
+
+int32_t ofl_adam_step_qm(const ofl_adam_config *cfg, int32_t sd, int32_t md, const ofl_adam_qtensors *t,
+                         const uint64_t *seeds, int32_t *nonfinite_out) {
     int32_t rc = check_q_args(cfg, sd, t);
     int32_t isa;
+    if (!rc && md != OFL_DTYPE_F32 && md != OFL_DTYPE_BF16) rc = -EINVAL;
+    if (!rc && md == OFL_DTYPE_BF16 && t->count > 0) {
+        if (!seeds) rc = -EINVAL;
+        for (int64_t i = 0; !rc && i < t->count; i++)
+            if (t->numel[i] > (int64_t)UINT32_MAX) rc = -EINVAL; /* the element counter is 32 bits */
+    }
     if (!rc) rc = ofl_adam_resolve_isa(cfg->isa, &isa);
     if (rc) return rc;
     if (nonfinite_out) *nonfinite_out = 0;
     if (t->count == 0) return 0;
     int64_t *starts = malloc((size_t)(t->count + 1) * sizeof *starts);
     ofl_adam_coeffs *coeffs = malloc((size_t)t->count * sizeof *coeffs);
-    if (!starts || !coeffs) {
+    uint32_t *keys = md == OFL_DTYPE_BF16 ? malloc((size_t)t->count * sizeof *keys) : NULL;
+    if (!starts || !coeffs || (md == OFL_DTYPE_BF16 && !keys)) {
         free(starts);
         free(coeffs);
+        free(keys);
         return -ENOMEM;
     }
     ofl_q8_tables_get();
@@ -220,13 +268,15 @@ int32_t ofl_adam_step_q(const ofl_adam_config *cfg, int32_t sd, const ofl_adam_q
         } else {
             ofl_adam_coeffs_for(cfg, step, &coeffs[i]);
         }
+        if (keys) keys[i] = ofl_sr_key(seeds[i], (uint32_t)*step);
     }
-    adamq_job job = {cfg, t, sd, coeffs, starts, kernels_for(isa).adam, 0};
+    adamq_job job = {cfg, t, sd, coeffs, starts, kernels_for(isa).adam, 0, md, keys, ofl_master_kernels_for(isa)};
     int64_t total = starts[t->count];
     ofl_parallel_chunks(adamq_chunk, &job, total, OFL_Q8_CHUNK_ELEMS, threads_for(cfg->num_threads, total));
     if (nonfinite_out) *nonfinite_out = job.nonfinite;
     free(starts);
     free(coeffs);
+    free(keys);
     return 0;
 }
 

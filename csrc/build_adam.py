@@ -16,7 +16,7 @@ from cffi_header import make_builder  # noqa: E402  (a sibling file, not the pac
 
 SOURCES = ["adam.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c", "adam_avx512bf16.c", "adam_undo.c",
            "ofl_parallel.c", "adam_q8.c", "adam_q8_scalar.c", "adam_q8_avx2.c", "adam_q8_avx512.c",
-           "adam_q8_avx512vbmi.c"]
+           "adam_q8_avx512vbmi.c", "adam_master.c"]
 
 ffibuilder = make_builder("_adam", "ofl_adam.h", SOURCES, flags=["-O3", "-fno-math-errno"], libraries=["m"])
 

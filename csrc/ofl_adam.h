@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#define OFL_ADAM_ABI_VERSION 5
+#define OFL_ADAM_ABI_VERSION 6
 
 /* Instruction-set paths. AUTO picks the best the CPU and OS support. */
 #define OFL_ISA_AUTO 0
@@ -183,5 +183,32 @@ int32_t ofl_q8_quantize(const float *x, uint8_t *codes, float *scales, int64_t n
                         int32_t isa, int32_t num_threads);
 int32_t ofl_q8_dequantize(const uint8_t *codes, const float *scales, float *x, int64_t n,
                           int32_t map, int32_t isa, int32_t num_threads);
+
+/* ---- a bfloat16 master (offload.master_dtype "bf16") ----
+ * [Note: a bf16 master]
+ * With compressed moments the master itself may be stored as bfloat16 (2 bytes a param
+ * instead of 4). Each element is widened to fp32 exactly, updated as in ofl_adam_step_q
+ * (the same operations, so the fp32 result is that of an fp32 master holding the widened
+ * value), and stored back by stochastic rounding: it rounds away from zero with probability
+ * (its 16 dropped bits) / 2^16, so an update smaller than the master's last place is kept
+ * on average rather than always lost (round to nearest would stall a small learning rate;
+ * torchao's bf16 optimizers and Zamirai et al. 2020 do the same). The random bits of element
+ * j of tensor i are fmix32(j * 0x9e3779b1 + key), key = ofl_sr_key(seeds[i], step count after
+ * this call's increment) (adam_master.h): a function of the element, its tensor's seed and
+ * the step only, so every ISA and thread count, and a pass run again after a crash, give the
+ * same bits. With a param copy (out_dtype) the copy is the rounded master's value: bf16 the
+ * master's bits, fp32 its exact widening, fp16 that rounded to nearest even. */
+
+/* ofl_adam_step_q with the master of master_dtype: OFL_DTYPE_F32 (param as float32, seeds
+ * unused: ofl_adam_step_q itself) or OFL_DTYPE_BF16 (param as uint16 bfloat16, seeds[count]
+ * needed). -EINVAL for another master dtype, a missing seed table, or a tensor of 2^32 or
+ * more elements with a bf16 master. */
+int32_t ofl_adam_step_qm(const ofl_adam_config *config, int32_t state_dtype, int32_t master_dtype,
+                         const ofl_adam_qtensors *tensors, const uint64_t *seeds, int32_t *nonfinite_out);
+
+/* n floats rounded stochastically to bfloat16 as the step rounds elements first .. first + n - 1
+ * of a tensor of that seed at that step (for tests and conversions). */
+int32_t ofl_bf16_round_sr(const float *x, uint16_t *out, int64_t n, uint64_t seed, uint32_t step,
+                          int64_t first, int32_t isa);
 
 #endif /* OFL_ADAM_H */

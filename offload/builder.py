@@ -310,7 +310,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if tier is not None and ranks.device.type == "cuda":
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
-                               device=ranks.device, window=window, state_format=StateFormat(cfg.offload.state_dtype),
+                               device=ranks.device, window=window,
+                               state_format=StateFormat(cfg.offload.state_dtype, cfg.offload.master_dtype),
                                grad_window=window if grads_nvme else None,
                                grad_dtype=grad_dtype(cfg))
         if verdict == FINISH:  # an overlapped step's early sub-groups ([Note: speculative step] in offload.resume)

@@ -388,6 +388,10 @@ class OffloadSectionConfig:
     """How the offloaded Adam moments are stored (the fp32 master is kept): "fp32" (the bit-exact
     default), "bf16", or "int8" (blockwise dynamic 8-bit codes with a float32 scale per 256 elements;
     see cpu_adam.quant). Needs offload_optimizer device cpu or nvme."""
+    master_dtype: str = "fp32"
+    """The offloaded master params: "fp32" (the default) or "bf16" (2 bytes a parameter, updated in fp32
+    and stored back by stochastic rounding: [Note: a bf16 master] in csrc/ofl_adam.h). bf16 needs
+    state_dtype bf16 or int8."""
     gradient_tier: str = "auto"
     """Where stage 3's fp32 gradient accumulators live between landing and the step: "host" (resident
     in the tier's host memory, 4 bytes per parameter of the partition), "nvme" (on NVMe, a window of
@@ -417,6 +421,8 @@ class OffloadSectionConfig:
             _fail(self, "overlap_step", 'true, false or "auto"')
         if self.state_dtype not in ("fp32", "bf16", "int8"):
             _fail(self, "state_dtype", '"fp32", "bf16" or "int8"')
+        if self.master_dtype not in ("fp32", "bf16"):
+            _fail(self, "master_dtype", '"fp32" or "bf16"')
         if self.gradient_tier not in ("auto", "host", "nvme"):
             _fail(self, "gradient_tier", '"auto", "host" or "nvme"')
         if self.huge_pages not in ("auto", "off"):
@@ -464,37 +470,6 @@ class EngineConfig:
         _bool(self, "wall_clock_breakdown")
         if self.fp16.enabled and self.bf16.enabled:
             _fail(self, "bf16", "disabled when fp16 is enabled (fp16 and bf16 are both enabled)")
-        if self.offload.delayed_update:  # [Note: delayed update] in offload.zero.delayed says why
-            if self.zero.offload_optimizer.device is OffloadDevice.NONE:
-                raise ConfigError("offload.delayed_update needs zero_optimization.offload_optimizer.device "
-                                  "cpu or nvme (it overlaps the CPU's optimizer step with the next step)")
-            if self.zero.stage == 3:
-                raise ConfigError("offload.delayed_update is not supported with zero_optimization.stage 3 yet")
-        if self.offload.state_dtype != "fp32" and self.zero.offload_optimizer.device is OffloadDevice.NONE:
-            raise ConfigError(f"offload.state_dtype {self.offload.state_dtype!r} needs zero_optimization."
-                              "offload_optimizer.device cpu or nvme (the compressed moments are stepped by the CPU)")
-        if self.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
-            _overlap_step_supported(self)
-        if self.data_types.grad_accum_dtype == "bf16" and (
-                self.zero.offload_optimizer.device is OffloadDevice.NONE or self.offload.delayed_update):
-            raise ConfigError("data_types.grad_accum_dtype \"bf16\" needs zero_optimization.offload_optimizer.device "
-                              "cpu or nvme, without offload.delayed_update (its accumulators are the CPU step's)")
-        if self.offload.gradient_tier == "nvme" and (
-                self.zero.stage != 3 or self.zero.offload_optimizer.device is not OffloadDevice.NVME):
-            raise ConfigError("offload.gradient_tier \"nvme\" needs zero_optimization.stage 3 with "
-                              "offload_optimizer.device nvme (stages 0-2 keep one flat gradient buffer as large "
-                              f"as the model; this config has stage {self.zero.stage}, offload_optimizer "
-                              f"{self.zero.offload_optimizer.device.value}): set it \"host\" or \"auto\"")
+        from offload.config_combos import check_combinations  # it imports this module
 
-
-def _overlap_step_supported(config: EngineConfig) -> None:
-    """``offload.overlap_step: true`` in a combination it cannot run in: a ConfigError that says which."""
-    if config.offload.delayed_update:
-        raise ConfigError("offload.overlap_step and offload.delayed_update are exclusive (the delayed update "
-                          "already overlaps the whole step): turn one of them off")
-    if config.zero.offload_optimizer.device is OffloadDevice.NONE:
-        raise ConfigError("offload.overlap_step needs zero_optimization.offload_optimizer.device cpu or nvme "
-                          "(it overlaps the CPU's optimizer step with backward)")
-    if config.zero.stage == 3:
-        raise ConfigError("offload.overlap_step is not supported with zero_optimization.stage 3 (the step "
-                          "writes the param shards that backward's hooks gather from): set it false or \"auto\"")
+        check_combinations(self)

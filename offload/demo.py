@@ -73,6 +73,8 @@ class DemoConfig:
     """How the Adam moments are stored: "fp32", "bf16" or "int8" (offload.state_dtype)."""
     grad_accum_dtype: str = "fp32"
     """The offloaded gradient accumulators: "fp32" or "bf16" (data_types.grad_accum_dtype)."""
+    master_dtype: str = "fp32"
+    """The offloaded master params: "fp32" or "bf16" (offload.master_dtype; bf16 needs a bf16 or int8 state_dtype)."""
     delayed_update_warmup_steps: int | None = None
     """None: ordinary steps; N: offload.delayed_update after N ordinary steps (offload.zero.delayed)."""
     val_windows: int = 64
@@ -140,6 +142,8 @@ def ds_config(config: DemoConfig, nvme_path: str | None) -> dict[str, Any]:
         extra["offload"] = {"delayed_update": True, "delayed_update_warmup_steps": config.delayed_update_warmup_steps}
     if config.state_dtype != "fp32":
         extra.setdefault("offload", {})["state_dtype"] = config.state_dtype
+    if config.master_dtype != "fp32":
+        extra.setdefault("offload", {})["master_dtype"] = config.master_dtype
     if config.grad_accum_dtype != "fp32":
         extra["data_types"] = {"grad_accum_dtype": config.grad_accum_dtype}
     return {

@@ -184,6 +184,8 @@ class EstimateInput:
     state_dtype: str = "fp32"
     """offload.state_dtype: the offloaded moments' storage (fp32 12, bf16 8, int8 ~6.03 bytes per element
     with the master; ``offload.zero.state_format``)."""
+    master_dtype: str = "fp32"
+    """offload.master_dtype: the offloaded master's storage (fp32 4, bf16 2 bytes per element)."""
     gradient_tier: str = "auto"
     """offload.gradient_tier: stage 3's accumulators resident or on NVMe ([Note: gradient tier])."""
     grad_accum_dtype: str = "fp32"
@@ -209,7 +211,8 @@ class EstimateInput:
                    param_buffer_count=z.offload_param.buffer_count, max_live=z.stage3_max_live_parameters,
                    baseline_bytes=baseline_bytes, gpu=gpu, overlap_step=cfg.offload.overlap_step,
                    delayed_update=cfg.offload.delayed_update, state_dtype=cfg.offload.state_dtype,
-                   gradient_tier=cfg.offload.gradient_tier, grad_accum_dtype=cfg.data_types.grad_accum_dtype)
+                   master_dtype=cfg.offload.master_dtype, gradient_tier=cfg.offload.gradient_tier,
+                   grad_accum_dtype=cfg.data_types.grad_accum_dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -263,13 +266,14 @@ def zero_formula_bytes(stage: int, params: int, world_size: int, compute_bytes: 
     raise ConfigError(f"stage must be 0-3, got {stage}")
 
 
-def state_block_bytes(numel: int, state_dtype: str) -> int:
+def state_block_bytes(numel: int, state_dtype: str, master_dtype: str = "fp32") -> int:
     """A sub-group's state block (``offload.zero.state_format``), its pieces taken as one tensor: each
     further piece of a sub-group may add one int8 block's two scales (8 bytes)."""
+    master = 2 if master_dtype == "bf16" else 4
     if state_dtype == "bf16":
-        return 8 * numel
+        return (master + 4) * numel
     if state_dtype == "int8":
-        return _up(6 * numel, 4) + 8 * -(-numel // 256)
+        return _up((master + 2) * numel, 4) + 8 * -(-numel // 256)
     return 12 * numel
 
 
@@ -290,8 +294,8 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
     gi = 2 if inp.grad_accum_dtype == "bf16" else 4
     accumulators = f"{inp.grad_accum_dtype} gradient accumulators"
     grads = sum(_up(gi * n, PAGE) for n in numels)
-    states = [_up(state_block_bytes(n, inp.state_dtype), PAGE) for n in numels]
-    what = "fp32 master + moments" + ("" if inp.state_dtype == "fp32" else f" ({inp.state_dtype})")
+    states = [_up(state_block_bytes(n, inp.state_dtype, inp.master_dtype), PAGE) for n in numels]
+    what = f"{inp.master_dtype} master + moments" + ("" if inp.state_dtype == "fp32" else f" ({inp.state_dtype})")
     # a daemon session's undo copy of a compressed block ([Note: block undo]): host memory when the config
     # names a daemon, else only in the daemon sizes the estimate advises ("daemon")
     undo = [] if inp.state_dtype == "fp32" else [
@@ -308,7 +312,7 @@ def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: 
     if grads_nvme:
         floor = max(floor, 2 + -(-unit_partition // max(numels, default=1)))  # offload.state_window's floor
     plan = plan_bytes(numels, window=0, nvme=True, nvme_path=None, grads_nvme=grads_nvme, grad_itemsize=gi,
-                      state_bytes=[state_block_bytes(n, inp.state_dtype) for n in numels])
+                      state_bytes=[state_block_bytes(n, inp.state_dtype, inp.master_dtype) for n in numels])
     items = list(plan.state_bytes)
     if pool is not None:  # as offload.state_window sizes it through a daemon
         blocks, _ = pool.window(items, floor=floor, local_ranks=ranks, **session_terms(plan))
@@ -348,7 +352,8 @@ def _staged_update_parts(stage: int, partition: int, optimizer: str, inp: Estima
         numels = _sub_group_numels(partition, optimizer, inp)
         copies = min(len(numels), copies_that_fit(numels))
         parts.append(("rollback copies (offload.overlap_step)", "host",
-                      sum(state_block_bytes(k, inp.state_dtype) for k in sorted(numels, reverse=True)[:copies])))
+                      sum(state_block_bytes(k, inp.state_dtype, inp.master_dtype)
+                          for k in sorted(numels, reverse=True)[:copies])))
     return parts
 
 

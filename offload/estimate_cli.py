@@ -104,6 +104,8 @@ def run_cli(args: Any) -> int:
         inp = dataclasses.replace(inp, compute_bytes=4 if args.dtype == "fp32" else 2)
     if args.state_dtype:
         inp = dataclasses.replace(inp, state_dtype=args.state_dtype)
+    if args.master_dtype:
+        inp = dataclasses.replace(inp, master_dtype=args.master_dtype)
     if args.gradient_tier:
         inp = dataclasses.replace(inp, gradient_tier=args.gradient_tier)
     if args.grad_accum_dtype:
@@ -167,6 +169,9 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (the config's, else fp32)")
     parser.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
                         help="offload.state_dtype: how the Adam moments are stored (the config's, else fp32)")
+    parser.add_argument("--master-dtype", choices=("fp32", "bf16"),
+                        help="offload.master_dtype: how the offloaded master params are stored (the config's, else "
+                             "fp32; bf16 needs a bf16 or int8 state dtype)")
     parser.add_argument("--gradient-tier", choices=("auto", "host", "nvme"),
                         help="offload.gradient_tier: stage 3's gradient accumulators with offload_optimizer nvme "
                              "(the config's, else auto: nvme where they exceed the host budget)")

@@ -25,7 +25,7 @@ _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
 # what the tiers hold in host memory, by daemon session: the optimizer's (grads and states) and, with
 # stage 3 offloading params, the param shards' own (``<job>.params``); [Note: estimate] in offload.estimate
 OPTIMIZER_SESSION_PARTS = ("fp32 gradient accumulators", "bf16 gradient accumulators", "state window (host budget, buffer_count at least)",
-                           "fp32 master + moments", "undo copy of the largest state block")
+                           "fp32 master + moments", "bf16 master + moments", "undo copy of the largest state block")
 PARAM_SESSION_PARTS = ("param shards", "param shards in flight (buffer_count segments)")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -25,8 +25,8 @@ __all__ = ["grad_dtype", "grads_to_nvme", "reattached_state_window", "state_wind
 
 
 def _state_bytes(cfg: EngineConfig, layout: FlatLayout) -> list[int]:
-    """Each sub-group's state block in bytes, at ``offload.state_dtype``."""
-    fmt = StateFormat(cfg.offload.state_dtype)
+    """Each sub-group's state block in bytes, at ``offload.state_dtype`` and ``offload.master_dtype``."""
+    fmt = StateFormat(cfg.offload.state_dtype, cfg.offload.master_dtype)
     return [fmt.state_bytes(sg) for sg in layout.sub_groups]
 
 

@@ -344,10 +344,12 @@ class PartitionedAdam:
                 outs = [self._out(p) for p in pieces]
                 steps = [torch.full((1,), float(plan.step_count)) for _ in pieces]
                 q8 = views[0].exp_avg_scale is not None
+                # a bf16 master's rounding is keyed by where its elements are in the model ([Note: a bf16 master])
+                seeds = [p.flat_start for p in pieces] if fmt.master_dtype is torch.bfloat16 else None
                 adam_step([v.master for v in views], grads, [v.exp_avg for v in views], [v.exp_avg_sq for v in views],
                           steps, config=plan.hypers[group], grad_scale=mult, params_out=outs,
                           exp_avg_scales=[v.exp_avg_scale for v in views] if q8 else None,
-                          exp_avg_sq_scales=[v.exp_avg_sq_scale for v in views] if q8 else None)
+                          exp_avg_sq_scales=[v.exp_avg_sq_scale for v in views] if q8 else None, master_seeds=seeds)
 
     def _copy_staging_to_device(self) -> None:
         pairs = [(self.flat_params[p.flat_start:p.flat_start + p.numel], self._staging[p.part_start:p.part_start + p.numel])

@@ -11,8 +11,12 @@ of n elements whose pieces (``SubGroup.pieces``) are the tensors the Adam step i
   ([Note: quantized Adam states] in csrc/ofl_adam.h), and its scales follow the previous
   piece's, pieces in ``sub_start`` order.
 
+With ``offload.master_dtype`` bf16 (bf16 or int8 moments only) the master is bfloat16 (2 n) and
+everything after it moves up: bf16 6 n bytes, int8 4 n (padded to 4) + 8 S.
+
 Zero bytes are zero moments in every format. ``unpack`` / ``pack`` turn a block into the fp32
-``[master | exp_avg | exp_avg_sq]`` and back (checkpoints read and write that form).
+``[master | exp_avg | exp_avg_sq]`` and back (checkpoints read and write that form; a bf16 master
+is widened exactly, and an fp32 one packed into it is rounded to nearest).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from csrc import ConfigError
 from cpu_adam.quant import StateDtype, dequantize, quantize, scale_count
 from offload.zero.layout import Piece, SubGroup
 
@@ -46,18 +51,30 @@ def _align4(n: int) -> int:
 class StateFormat:
     """Sizes and views of the state blocks of one layout's sub-groups in one state dtype."""
 
-    def __init__(self, state_dtype: StateDtype | str = StateDtype.FP32) -> None:
+    def __init__(self, state_dtype: StateDtype | str = StateDtype.FP32, master_dtype: str = "fp32") -> None:
         self.state_dtype = StateDtype.parse(state_dtype, "offload.state_dtype")
+        if master_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f'offload.master_dtype must be "fp32" or "bf16", got {master_dtype!r}')
+        if master_dtype == "bf16" and self.state_dtype is StateDtype.FP32:
+            raise ConfigError('offload.master_dtype "bf16" needs offload.state_dtype "bf16" or "int8"')
+        self.master_dtype = torch.bfloat16 if master_dtype == "bf16" else torch.float32
+        self._mb = self.master_dtype.itemsize  # master bytes per element
 
     @property
     def fp32(self) -> bool:
         return self.state_dtype is StateDtype.FP32
 
+    @property
+    def name(self) -> str:
+        """The two config values this format stands for, for messages."""
+        master = "bf16" if self.master_dtype is torch.bfloat16 else "fp32"
+        return f"offload.state_dtype {self.state_dtype.value!r}, offload.master_dtype {master!r}"
+
     def _scales(self, sg: SubGroup) -> int:
         return sum(scale_count(p.numel) for p in sg.pieces)
 
     def _scales_at(self, n: int) -> int:
-        return _align4(6 * n)
+        return _align4((self._mb + 2) * n)
 
     def state_bytes(self, sg: SubGroup) -> int:
         """Bytes of ``sg``'s state block."""
@@ -65,7 +82,7 @@ class StateFormat:
         if self.state_dtype is StateDtype.FP32:
             return 12 * n
         if self.state_dtype is StateDtype.BF16:
-            return 8 * n
+            return (self._mb + 4) * n
         return self._scales_at(n) + 8 * self._scales(sg)
 
     def block_dtype(self) -> torch.dtype:
@@ -76,26 +93,27 @@ class StateFormat:
         return 3 * sg.numel if self.fp32 else self.state_bytes(sg)
 
     def master(self, sg: SubGroup, block: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of the whole sub-group."""
+        """The master of the whole sub-group (float32, or bfloat16 with a bf16 master)."""
         n = sg.numel
-        return block[:n] if self.fp32 else block[:4 * n].view(torch.float32)
+        return block[:n] if self.fp32 else block[:self._mb * n].view(self.master_dtype)
 
     def piece(self, sg: SubGroup, block: torch.Tensor, piece: Piece) -> PieceState:
         """The views of one piece (its master, moments and, with int8, block scales)."""
         n, a, b = sg.numel, piece.sub_start, piece.sub_start + piece.numel
         if self.fp32:
             return PieceState(block[a:b], block[n + a:n + b], block[2 * n + a:2 * n + b], None, None)
-        master = block[:4 * n].view(torch.float32)[a:b]
+        at = self._mb * n  # where the moments begin
+        master = block[:at].view(self.master_dtype)[a:b]
         if self.state_dtype is StateDtype.BF16:
-            m = block[4 * n:6 * n].view(torch.bfloat16)
-            v = block[6 * n:8 * n].view(torch.bfloat16)
+            m = block[at:at + 2 * n].view(torch.bfloat16)
+            v = block[at + 2 * n:at + 4 * n].view(torch.bfloat16)
             return PieceState(master, m[a:b], v[a:b], None, None)
         s_total = self._scales(sg)
         first = sum(scale_count(p.numel) for p in sg.pieces if p.sub_start < a)
         k = scale_count(piece.numel)
-        at = self._scales_at(n)
-        scales = block[at:at + 8 * s_total].view(torch.float32)
-        return PieceState(master, block[4 * n + a:4 * n + b], block[5 * n + a:5 * n + b],
+        scales_at = self._scales_at(n)
+        scales = block[scales_at:scales_at + 8 * s_total].view(torch.float32)
+        return PieceState(master, block[at + a:at + b], block[at + n + a:at + n + b],
                           scales[first:first + k], scales[s_total + first:s_total + first + k])
 
     def unpack(self, sg: SubGroup, block: torch.Tensor) -> torch.Tensor:

@@ -129,8 +129,8 @@ class StateStorage:
             held, want = self.tier.info(self._state_name(sg.index)).nbytes, self.format.state_bytes(sg)
             if held != want:
                 raise ConfigError(f"the session's state block of sub-group {sg.index} is {held} bytes, this run's "
-                                  f"offload.state_dtype {self.format.state_dtype.value!r} needs {want}: resume with "
-                                  "the state dtype it was started with")
+                                  f"{self.format.name} needs {want}: resume with the state and master dtypes "
+                                  "it was started with")
         if self.nvme:
             names = [self._state_name(sg.index) for sg in self.layout.sub_groups]
             held = [n for n in names if self.tier.info(n).tier.value != "nvme"]

@@ -113,3 +113,37 @@ def step(p, g, m0, v0, c) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         den = fma32(np.sqrt(v), c["ibc2"], c["eps"])
         p = fma32(-c["step"], m / den, p * c["decay"])
     return p, m, v
+
+
+# ---- a bf16 master's stochastic rounding ([Note: a bf16 master] in csrc/ofl_adam.h) ----
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = np.asarray(h, dtype=np.uint64) & 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h
+
+
+def sr_key(seed: int, step: int) -> int:
+    seed &= (1 << 64) - 1
+    h = int(_fmix32(np.uint64(((seed >> 32) ^ 0x5BD1E995) & 0xFFFFFFFF)))
+    h = int(_fmix32(np.uint64(h ^ (seed & 0xFFFFFFFF))))
+    return int(_fmix32(np.uint64((h + step * 0x27D4EB2F) & 0xFFFFFFFF)))
+
+
+def bf16_round_sr(x: np.ndarray, seed: int, step: int, first: int = 0) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16): x + (random 16 bits) truncated, NaN -> quiet NaN."""
+    bits = x.astype(F32).view(np.uint32).astype(np.uint64)
+    j = np.arange(first, first + x.size, dtype=np.uint64)
+    r = _fmix32((j * 0x9E3779B1 + sr_key(seed, step)) & 0xFFFFFFFF)
+    out = ((bits + (r >> 16)) >> 16) & 0xFFFF
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    out = np.where(nan, (bits >> 16) | 0x40, out)
+    return out.astype(np.uint16)
+
+
+def bf16_widen(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(F32)

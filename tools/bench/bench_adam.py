@@ -27,6 +27,8 @@ Cases (a shape is "N params x T tensors", the params split evenly):
         int8_undo and bf16_undo are the int8 and bf16 steps after the undo copy of a state block as
         large as theirs, as a recorded step through the daemon does it ([Note: block undo] in
         offload.zero.block_undo); "ours / int8_undo" is the copied step's time over the plain one's.
+        int8_m16 is the int8 step with a bfloat16 master (offload.master_dtype "bf16": widened, stepped,
+        rounded back stochastically), 12.06 bytes a param.
 
 The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32) or
 >= 1.3x torch's fastest sequence (bf16), and >= 0.9 of the roofline where the four
@@ -74,6 +76,7 @@ DEFAULT_SHAPES = ["1e5x1000", "1e6x1", "1e6x100", "1e6x1000", "1e7x1", "1e7x10",
 DEFAULT_BF16 = ["1e6", "1e7", "1e8"]
 DEFAULT_STATES = ["1e7", "1e8"]
 STATE_BYTES = {"fp32_states": 28.0, "bf16_states": 20.0, "ours": 16.0 + 16 / 256,  # a param moved, grads fp32
+               "int8_m16": 12.0 + 16 / 256,
                "int8_undo": 16.0 + 16 / 256 + 2 * (6.0 + 8 / 256), "bf16_undo": 20.0 + 2 * 8.0}  # + the copy
 TARGET_INT8_VS_FP32 = 1.6
 TARGET_VS_TORCH = {"fp32": 1.0, "bf16": 1.3}  # ours / torch fused (bf16: its fastest sequence)
@@ -193,6 +196,10 @@ def state_contenders(n: int, threads: int) -> dict[str, Callable[[], None]]:
         out[name] = (lambda p=p, mo=mo, step=step, scales=scales: adam_step(
             [p], [grad], [mo.exp_avg], [mo.exp_avg_sq], [step], config=cfg,
             exp_avg_scales=scales[0], exp_avg_sq_scales=scales[1]))
+    p16, step16, mo16 = torch.randn(n, generator=gen).to(torch.bfloat16), torch.zeros(()), zeros_moments((n,), "int8")
+    out["int8_m16"] = lambda: adam_step([p16], [grad], [mo16.exp_avg], [mo16.exp_avg_sq], [step16], config=cfg,
+                                        exp_avg_scales=[mo16.exp_avg_scale], exp_avg_sq_scales=[mo16.exp_avg_sq_scale],
+                                        master_seeds=[0])
     from offload.zero.block_undo import BlockUndo, block_undo_bytes
 
     blocks = (("int8_undo", "ours", 6 * n + 8 * -(-n // 256)), ("bf16_undo", "bf16_states", 8 * n))
@@ -219,12 +226,13 @@ def state_rows(case: str, n: int, samples: dict[str, list[float]], summary: dict
         rows.append(f"| {case} | {name} | {med:,.0f} ({_pct(mps, 0.1):,.0f}-{_pct(mps, 0.9):,.0f}) "
                     f"| {med * per / 1e3:.1f} at {per:.2f} B | |")
     for a, b in (("ours", "fp32_states"), ("ours", "bf16_states"), ("bf16_states", "fp32_states"),
-                 ("ours", "int8_undo"), ("bf16_states", "bf16_undo")):
+                 ("ours", "int8_undo"), ("bf16_states", "bf16_undo"), ("int8_m16", "fp32_states"),
+                 ("int8_m16", "ours")):
         ratios = [sb / sa for sa, sb in zip(samples[a], samples[b])]
         text = f"{statistics.median(ratios):.2f}x ({_pct(ratios, 0.1):.2f}-{_pct(ratios, 0.9):.2f})"
         summary.setdefault(case, {})[f"{a}/{b}"] = text
         rows.append(f"| {case} | {a} / {b} | | | **{text}** (min-max {min(ratios):.2f}-{max(ratios):.2f}) |")
-    for name in ("ours", "fp32_states"):
+    for name in ("ours", "fp32_states", "int8_m16"):
         shares = [(STATE_BYTES[name] / s) / (BYTES_PER_PARAM / r) for s, r in zip(samples[name], samples["roofline"])]
         text = f"{statistics.median(shares):.2f} ({_pct(shares, 0.1):.2f}-{_pct(shares, 0.9):.2f})"
         summary[case][f"{name} roofline"] = text

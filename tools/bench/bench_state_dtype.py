@@ -1,4 +1,4 @@
-"""Quality of compressed Adam states: a GPT trained with offload.state_dtype fp32, bf16, int8.
+"""Quality of compressed Adam states: a GPT trained with offload.state_dtype fp32, bf16, int8 (and a bf16 master).
 
 Each run is ``offload demo``'s model and data (offload.demo.run_demo: the char-level GPT on the
 shipped corpus, AdamW with warm-up and clipping, 300 steps by default) with the optimizer state
@@ -15,8 +15,8 @@ The runs are sequential, in the order given, each after the same warm-up; the lo
 printed beside each. Usage:
   python tools/bench/bench_state_dtype.py [--steps 300] [--model demo|100m] [--device cpu]
       [--dtypes fp32 bf16 int8 fp32/bf16 int8/bf16] [--out FILE]
-("X/bf16": state dtype X with bf16 gradient accumulators, data_types.grad_accum_dtype; its target
-is X's.)
+("X/bf16": state dtype X with bf16 gradient accumulators, data_types.grad_accum_dtype; "X/A/bf16": state
+dtype X, accumulators A and a bf16 master, offload.master_dtype; each's target is X's.)
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -44,12 +44,14 @@ MODELS = {
 
 
 def run(state_dtype: str, steps: int, device: str, seed: int, model: str = "demo") -> dict:
-    """``state_dtype``: offload.state_dtype, or "<it>/bf16" for bf16 gradient accumulators beside it."""
+    """``state_dtype``: offload.state_dtype, "<it>/<accumulators>" with data_types.grad_accum_dtype, and
+    "<it>/<accumulators>/<master>" with offload.master_dtype too."""
     t0 = time.perf_counter()
     quiet = Console(file=io.StringIO())
-    states, _, accum = state_dtype.partition("/")
+    states, accum, master = (state_dtype.split("/") + ["fp32", "fp32"])[:3]
     result = run_demo(DemoConfig(steps=steps, offload_device=device, state_dtype=states, seed=seed,
-                                 grad_accum_dtype=accum or "fp32", show_progress=False, **MODELS[model]),
+                                 grad_accum_dtype=accum, master_dtype=master, show_progress=False,
+                                 **MODELS[model]),
                       console=quiet)
     return {"losses": result.losses, "val": result.val_loss_after, "val_before": result.val_loss_before,
             "seconds": time.perf_counter() - t0, "load": os.getloadavg()[0], "params": result.num_parameters}

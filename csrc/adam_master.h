@@ -1,0 +1,46 @@
+/* The bf16 master's conversions (adam_master.c), shared with the dispatch in adam_q8.c.
+ * Not part of the cffi API; see [Note: a bf16 master] in ofl_adam.h. */
+#ifndef OFL_ADAM_MASTER_H
+#define OFL_ADAM_MASTER_H
+
+#include <errno.h>
+
+#include "adam_q8.h"
+
+/* Elements of a master tile: widened into a stack buffer, stepped, rounded back. A multiple
+ * of OFL_Q8_BLOCK, so a tile never splits a block of scales. */
+#define OFL_MASTER_TILE 2048
+
+/* murmur3's 32-bit finalizer: a bijection that mixes every input bit into every output bit. */
+static inline uint32_t ofl_fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+/* The 32 random bits of element j of a tensor whose (seed, step) key is `key`. */
+static inline uint32_t ofl_sr_bits(uint32_t key, uint32_t j) { return ofl_fmix32(j * 0x9e3779b1u + key); }
+
+/* x's bits rounded to bfloat16 stochastically: the top 16 bits of x + (r >> 16), so x rounds
+ * away from zero with probability (its dropped 16 bits) / 2^16; NaN stays a quiet NaN. */
+static inline uint16_t ofl_bf16_sr1(uint32_t x, uint32_t r) {
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x0040u);
+    return (uint16_t)((x + (r >> 16)) >> 16);
+}
+
+/* The key of tensor `seed` at step `step` (the step count after the call's increment). */
+uint32_t ofl_sr_key(uint64_t seed, uint32_t step);
+
+typedef void (*ofl_bf16_widen_fn)(const uint16_t *src, float *dst, int64_t n);
+typedef void (*ofl_bf16_store_sr_fn)(const float *src, uint16_t *dst, int64_t n, uint32_t key, uint32_t first);
+typedef struct {
+    ofl_bf16_widen_fn widen;
+    ofl_bf16_store_sr_fn store_sr;
+} ofl_master_kernels;
+
+ofl_master_kernels ofl_master_kernels_for(int32_t isa);
+
+#endif /* OFL_ADAM_MASTER_H */
