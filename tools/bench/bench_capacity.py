@@ -12,7 +12,7 @@ from /proc/self/status) after set-up and after every step; then ``offload estima
 prediction for the same model and config, against the measured peak.
 
 Usage: python tools/bench/bench_capacity.py [--n-layer 30] [--n-embd 2560] [--n-head 20]
-       [--seq 32] [--batch 1] [--steps 4] [--nvme-path /tmp] [--state-dtype int8] [--bf16]
+       [--seq 32] [--batch 1] [--steps 4] [--nvme-path /tmp] [--state-dtype int8] [--master-dtype bf16] [--bf16]
        [--gradient-tier auto|host|nvme] [--grad-accum-dtype fp32|bf16] [--json FILE] [--out FILE]
        python tools/bench/bench_capacity.py --report-from FILE.json --out FILE.md
        python tools/bench/bench_capacity.py --compare BASE.json NEW.json [--out FILE.md]
@@ -78,6 +78,8 @@ def engine_config(args, nvme_path: str) -> dict:
                               "stage3_prefetch_bucket_size": args.prefetch}}
     if args.state_dtype != "fp32":
         out.setdefault("offload", {})["state_dtype"] = args.state_dtype
+    if args.master_dtype != "fp32":
+        out.setdefault("offload", {})["master_dtype"] = args.master_dtype
     if args.gradient_tier != "auto":
         out.setdefault("offload", {})["gradient_tier"] = args.gradient_tier
     if args.bf16:
@@ -174,7 +176,8 @@ def report(result: dict) -> str:
              f"- batch {g['batch']} x {g['seq']} tokens ("
              f"{'the same window every step' if result['same_batch'] else 'consecutive windows of the corpus'}), "
              f"{'bf16' if result['config'].get('bf16', {}).get('enabled') else 'fp32'} compute and param shards, "
-             f"optimizer states {result['config'].get('offload', {}).get('state_dtype', 'fp32')}, "
+             f"optimizer states {result['config'].get('offload', {}).get('state_dtype', 'fp32')} with a "
+             f"{result['config'].get('offload', {}).get('master_dtype', 'fp32')} master, "
              f"AdamW lr {result['config']['optimizer']['params']['lr']}, gradient clipping 1.0",
              f"- gradient accumulators (offload.gradient_tier "
              f"{result['config'].get('offload', {}).get('gradient_tier', 'auto')}): {result.get('gradient_tier', 'host')}",
@@ -204,6 +207,7 @@ def _label(result: dict) -> str:
     c = result["config"]
     return (f"{'bf16' if c.get('bf16', {}).get('enabled') else 'fp32'} shards, "
             f"{c.get('offload', {}).get('state_dtype', 'fp32')} states, "
+            f"{c.get('offload', {}).get('master_dtype', 'fp32')} master, "
             f"{c.get('data_types', {}).get('grad_accum_dtype', 'fp32')} gradients on "
             f"{result.get('gradient_tier', 'host')}, huge_pages {c.get('offload', {}).get('huge_pages', 'auto')}")
 
@@ -246,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
     ap.add_argument("--nvme-path", default="/tmp")
     ap.add_argument("--state-dtype", default="fp32", choices=("fp32", "bf16", "int8"), help="offload.state_dtype")
+    ap.add_argument("--master-dtype", default="fp32", choices=("fp32", "bf16"), help="offload.master_dtype")
     ap.add_argument("--bf16", action="store_true", help="compute (and stage 3 param shards) in bf16")
     ap.add_argument("--gradient-tier", default="auto", choices=("auto", "host", "nvme"), help="offload.gradient_tier")
     ap.add_argument("--grad-accum-dtype", default="fp32", choices=("fp32", "bf16"), help="data_types.grad_accum_dtype")
