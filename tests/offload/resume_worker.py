@@ -13,7 +13,8 @@ FAULT_CHUNK, halfway through the piece at or after FAULT_OFFSET), kill-before-al
 the gradient norm's all-reduce: the peers wait in it, or pass it and go on), kill-in-compressed-pass (sub-group
 FAULT_SUB_GROUP's compressed state written, its pass not said done), kill-in-block-copy (halfway through the undo
 copy of sub-group FAULT_SUB_GROUP's block; -1: the last), kill-before-close (after the last step, before
-engine.close()). WIDTH and SUB_GROUP: see ckpt_worker. STATE_DTYPE: offload.state_dtype (bf16, int8).
+engine.close()). WIDTH and SUB_GROUP: see ckpt_worker. STATE_DTYPE: offload.state_dtype (bf16, int8);
+MASTER_DTYPE: offload.master_dtype (bf16).
 NAN_STEP=N: rank 0's gradient is NaN at step N (the step is skipped). SLOW_BACKWARD=S: backward waits S seconds
 before the first layer's gradients (the later layers' reductions finish meanwhile: an overlapped step steps
 their sub-groups early, with two ranks too).
@@ -128,6 +129,8 @@ def main() -> int:
         config.pop("offload")
     if os.environ.get("STATE_DTYPE"):  # offload.state_dtype: bf16 or int8 moments
         config.setdefault("offload", {})["state_dtype"] = os.environ["STATE_DTYPE"]
+    if os.environ.get("MASTER_DTYPE"):  # offload.master_dtype: bf16, stochastically rounded
+        config.setdefault("offload", {})["master_dtype"] = os.environ["MASTER_DTYPE"]
     if os.environ.get("GRADIENT_TIER"):  # offload.gradient_tier: nvme puts stage 3's accumulators on NVMe
         config.setdefault("offload", {})["gradient_tier"] = os.environ["GRADIENT_TIER"]
     if os.environ.get("OVERLAP"):  # offload.overlap_step: a kill-step fault then dies under backward

@@ -204,6 +204,9 @@ def test_rank_killed_inside_an_adam_pass_finishes_it_exactly(tmp_path, tmp_path_
     (3, "cpu", "kill-in-compressed-pass", 2, {"STATE_DTYPE": "int8"}),
     (2, "cpu", "kill-in-block-copy", -1, {"STATE_DTYPE": "int8"}),
     (2, "nvme", "kill-in-block-copy", 0, {"STATE_DTYPE": "bf16", "SUB_GROUP": 100000}),  # one sub-group a rank
+    # a bf16 master: its stochastic rounding is keyed by element and step, so the pass run again rounds alike
+    (2, "nvme", "kill-in-compressed-pass", 1, {"STATE_DTYPE": "int8", "MASTER_DTYPE": "bf16"}),
+    (3, "cpu", "kill-in-compressed-pass", 0, {"STATE_DTYPE": "bf16", "MASTER_DTYPE": "bf16"}),
 ])
 def test_rank_killed_inside_a_compressed_state_pass_finishes_it_exactly(tmp_path, tmp_path_factory, daemon,  # noqa: F811
                                                                         stage, device, fault, sg, env):
