@@ -21,14 +21,19 @@ static inline uint32_t ofl_fmix32(uint32_t h) {
     return h;
 }
 
-/* The 32 random bits of element j of a tensor whose (seed, step) key is `key`. */
-static inline uint32_t ofl_sr_bits(uint32_t key, uint32_t j) { return ofl_fmix32(j * 0x9e3779b1u + key); }
+/* The 16 random bits of element j of a tensor whose (seed, step) key is `key`: one hash a pair
+ * of elements, h = fmix32((j / 2) * 0x9e3779b1 + key), its high half for the even element and
+ * its low half for the odd one (half the hashing of one a element; every bit of h is mixed). */
+static inline uint32_t ofl_sr_bits(uint32_t key, uint32_t j) {
+    uint32_t h = ofl_fmix32((j >> 1) * 0x9e3779b1u + key);
+    return j & 1u ? h & 0xffffu : h >> 16;
+}
 
-/* x's bits rounded to bfloat16 stochastically: the top 16 bits of x + (r >> 16), so x rounds
- * away from zero with probability (its dropped 16 bits) / 2^16; NaN stays a quiet NaN. */
+/* x's bits rounded to bfloat16 stochastically with 16 random bits r: the top 16 bits of x + r,
+ * so x rounds away from zero with probability (its dropped 16 bits) / 2^16; NaN stays a quiet NaN. */
 static inline uint16_t ofl_bf16_sr1(uint32_t x, uint32_t r) {
     if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x0040u);
-    return (uint16_t)((x + (r >> 16)) >> 16);
+    return (uint16_t)((x + r) >> 16);
 }
 
 /* The key of tensor `seed` at step `step` (the step count after the call's increment). */

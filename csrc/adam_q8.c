@@ -154,6 +154,12 @@ static int32_t adamq_bf16_master(adamq_job *job, int64_t i, int64_t off, int64_t
         int64_t n = len - k < OFL_MASTER_TILE ? len - k : OFL_MASTER_TILE;
         int64_t b = k / OFL_Q8_BLOCK;
         job->master.widen(master + k, tile, n);
+        /* The next tile's masters (4 KiB) are fetched while this one is stepped: read at a tile's start,
+         * each tile a page, the hardware prefetchers would meet every one cold. */
+        if (k + OFL_MASTER_TILE < len) {
+            int64_t next = len - k - OFL_MASTER_TILE < OFL_MASTER_TILE ? len - k - OFL_MASTER_TILE : OFL_MASTER_TILE;
+            for (int64_t e = 0; e < next; e += 32) __builtin_prefetch(master + k + OFL_MASTER_TILE + e, 0, 3);
+        }
         bad |= job->kernel(&job->coeffs[i], gd, OFL_DTYPE_NONE, job->sd, tile, g + k * eg, m + k * es, v + k * es,
                            ms ? ms + b : NULL, vs ? vs + b : NULL, NULL, n);
         job->master.store_sr(tile, master + k, n, job->keys[i], (uint32_t)(off + k));

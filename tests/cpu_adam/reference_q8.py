@@ -135,11 +135,13 @@ def sr_key(seed: int, step: int) -> int:
 
 
 def bf16_round_sr(x: np.ndarray, seed: int, step: int, first: int = 0) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16): x + (random 16 bits) truncated, NaN -> quiet NaN."""
+    """float32 -> bfloat16 bits (uint16): x + (random 16 bits) truncated, NaN -> quiet NaN. One hash a
+    pair of elements (j // 2): its high half for the even element, its low half for the odd one."""
     bits = x.astype(F32).view(np.uint32).astype(np.uint64)
-    j = np.arange(first, first + x.size, dtype=np.uint64)
-    r = _fmix32((j * 0x9E3779B1 + sr_key(seed, step)) & 0xFFFFFFFF)
-    out = ((bits + (r >> 16)) >> 16) & 0xFFFF
+    j = np.arange(first, first + x.size, dtype=np.uint64) & 0xFFFFFFFF
+    h = _fmix32(((j >> 1) * 0x9E3779B1 + sr_key(seed, step)) & 0xFFFFFFFF)
+    r = np.where(j & 1, h & 0xFFFF, h >> 16)
+    out = ((bits + r) >> 16) & 0xFFFF
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     out = np.where(nan, (bits >> 16) | 0x40, out)
     return out.astype(np.uint16)
