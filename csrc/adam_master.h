@@ -48,4 +48,19 @@ typedef struct {
 
 ofl_master_kernels ofl_master_kernels_for(int32_t isa);
 
+/* The int8 step over n elements of a bf16 master pm, from element `first` (even, on a block) of a
+ * tensor of rounding key `key`, with the rounding fused into AVX-512's full-block pass
+ * (adam_q8_avx512_loop.h); the arguments and result otherwise those of ofl_adamq_kernel_fn. */
+typedef int32_t (*ofl_adamq_m16_kernel_fn)(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int32_t sd, uint16_t *pm,
+                                           uint32_t key, uint32_t first, const void *g, void *m, void *v, float *ms,
+                                           float *vs, void *out, int64_t n);
+#if OFL_HAVE_X86
+int32_t ofl_adamq_m16_kernel_avx512(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int32_t sd, uint16_t *pm,
+                                    uint32_t key, uint32_t first, const void *g, void *m, void *v, float *ms,
+                                    float *vs, void *out, int64_t n);
+int32_t ofl_adamq_m16_kernel_avx512vbmi(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int32_t sd, uint16_t *pm,
+                                        uint32_t key, uint32_t first, const void *g, void *m, void *v, float *ms,
+                                        float *vs, void *out, int64_t n);
+#endif
+
 #endif /* OFL_ADAM_MASTER_H */

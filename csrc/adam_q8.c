@@ -103,6 +103,7 @@ typedef struct {
     ofl_adamq_kernel_fn adam;
     ofl_q8_quant_fn quant;
     ofl_q8_dequant_fn dequant;
+    ofl_adamq_m16_kernel_fn m16; /* int8 with a bf16 master fused, or NULL: the tile path */
 } q8_kernels;
 
 static q8_kernels kernels_for(int32_t isa) {
@@ -110,13 +111,15 @@ static q8_kernels kernels_for(int32_t isa) {
     /* avx512_bf16 names the newer CPUs: there the lookups take AVX512_VBMI where it is, so
      * both forms are exercised on a CPU that has it (the same bits either way). */
     if (isa == OFL_ISA_AVX512_BF16 && __builtin_cpu_supports("avx512vbmi"))
-        return (q8_kernels){ofl_adamq_kernel_avx512vbmi, ofl_q8_quant_avx512vbmi, ofl_q8_dequant_avx512vbmi};
+        return (q8_kernels){ofl_adamq_kernel_avx512vbmi, ofl_q8_quant_avx512vbmi, ofl_q8_dequant_avx512vbmi,
+                            ofl_adamq_m16_kernel_avx512vbmi};
     if (isa == OFL_ISA_AVX512 || isa == OFL_ISA_AVX512_BF16)
-        return (q8_kernels){ofl_adamq_kernel_avx512, ofl_q8_quant_avx512, ofl_q8_dequant_avx512};
-    if (isa == OFL_ISA_AVX2) return (q8_kernels){ofl_adamq_kernel_avx2, ofl_q8_quant_avx2, ofl_q8_dequant_avx2};
+        return (q8_kernels){ofl_adamq_kernel_avx512, ofl_q8_quant_avx512, ofl_q8_dequant_avx512,
+                            ofl_adamq_m16_kernel_avx512};
+    if (isa == OFL_ISA_AVX2) return (q8_kernels){ofl_adamq_kernel_avx2, ofl_q8_quant_avx2, ofl_q8_dequant_avx2, NULL};
 #endif
     (void)isa;
-    return (q8_kernels){ofl_adamq_kernel_scalar, ofl_q8_quant_scalar, ofl_q8_dequant_scalar};
+    return (q8_kernels){ofl_adamq_kernel_scalar, ofl_q8_quant_scalar, ofl_q8_dequant_scalar, NULL};
 }
 
 static int32_t threads_for(int32_t requested, int64_t total) {
@@ -140,6 +143,7 @@ typedef struct {
     int32_t md;                  /* the master's dtype: OFL_DTYPE_F32 or _BF16 */
     const uint32_t *keys;        /* bf16 master: each tensor's rounding key (ofl_sr_key) */
     ofl_master_kernels master;
+    ofl_adamq_m16_kernel_fn m16; /* int8 moments with a bf16 master in one pass, where the ISA has it */
 } adamq_job;
 
 /* A bf16 master's elements [off, off + len) of tensor i, tile by tile: widened into a stack
@@ -184,6 +188,13 @@ static void adamq_segment(adamq_job *job, int64_t i, int64_t off, int64_t len) {
         vs = (float *)(uintptr_t)t->exp_avg_sq_scale[i] + off / OFL_Q8_BLOCK;
     }
     char *out = od == OFL_DTYPE_NONE ? NULL : (char *)(uintptr_t)t->param_out[i] + off * eo;
+    if (job->md == OFL_DTYPE_BF16 && job->sd == OFL_STATE_Q8 && job->m16) {
+        if (job->m16(&job->coeffs[i], gd, od, job->sd, (uint16_t *)(uintptr_t)t->param[i] + off, job->keys[i],
+                     (uint32_t)off, (char *)(uintptr_t)t->grad[i] + off * eg, (char *)(uintptr_t)t->exp_avg[i] + off,
+                     (char *)(uintptr_t)t->exp_avg_sq[i] + off, ms, vs, out, len))
+            __atomic_store_n(&job->nonfinite, 1, __ATOMIC_RELAXED);
+        return;
+    }
     if (job->md == OFL_DTYPE_BF16) {
         char *m = (char *)(uintptr_t)t->exp_avg[i] + off * es, *v = (char *)(uintptr_t)t->exp_avg_sq[i] + off * es;
         if (adamq_bf16_master(job, i, off, len, (char *)(uintptr_t)t->grad[i] + off * eg, eg, m, v, es, ms, vs, out, eo))
@@ -276,7 +287,8 @@ int32_t ofl_adam_step_qm(const ofl_adam_config *cfg, int32_t sd, int32_t md, con
         }
         if (keys) keys[i] = ofl_sr_key(seeds[i], (uint32_t)*step);
     }
-    adamq_job job = {cfg, t, sd, coeffs, starts, kernels_for(isa).adam, 0, md, keys, ofl_master_kernels_for(isa)};
+    q8_kernels k = kernels_for(isa);
+    adamq_job job = {cfg, t, sd, coeffs, starts, k.adam, 0, md, keys, ofl_master_kernels_for(isa), k.m16};
     int64_t total = starts[t->count];
     ofl_parallel_chunks(adamq_chunk, &job, total, OFL_Q8_CHUNK_ELEMS, threads_for(cfg->num_threads, total));
     if (nonfinite_out) *nonfinite_out = job.nonfinite;

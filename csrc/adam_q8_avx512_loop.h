@@ -308,11 +308,54 @@ typedef struct {
     uint8_t *mc, *vc;
     float *ms, *vs;
     void *out;
+    uint16_t *pm;        /* a bf16 master (mb 1): its 256 elements, instead of p */
+    uint32_t key, first; /* its rounding key, and the tensor's index of its first element (even) */
 } staged_block;
+
+/* [Note: a bf16 master in the full-block pass]
+ * With a bf16 master (adam_master.h) the full int8 block reads the master widened in registers
+ * and stores it back rounded stochastically in the same pass: no tile of fp32 copies, so no
+ * pass more over memory. The rounding is ofl_bf16_sr1 with ofl_sr_bits, lane by lane, so the
+ * bits are those of the tile path (adam_q8.c) that the scalar and AVX2 paths take. */
+OFL_AI __m512 load_master16(const staged_block *b, int mb, int j) {
+    if (!mb) return _mm512_loadu_ps(b->p + j);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b->pm + j))), 16));
+}
+
+/* The random bits of the 32 elements from j (j even): one hash a pair, for vectors j and j + 16. */
+OFL_AI void sr_bits32(const staged_block *b, int j, __m512i *r0, __m512i *r1) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i pair = _mm512_add_epi32(_mm512_set1_epi32((int)((b->first + (uint32_t)j) >> 1)), lanes);
+    __m512i h = _mm512_add_epi32(_mm512_mullo_epi32(pair, _mm512_set1_epi32((int)0x9e3779b1u)),
+                                 _mm512_set1_epi32((int)b->key));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85ebca6bu));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xc2b2ae35u));
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    __m512i hi = _mm512_srli_epi32(h, 16), lo = _mm512_and_si512(h, _mm512_set1_epi32(0xffff));
+    *r0 = _mm512_permutex2var_epi32(hi, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), lo);
+    *r1 = _mm512_permutex2var_epi32(hi, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), lo);
+}
+
+/* pv stored as the master at j (mb 1: rounded with the random bits r); returns the value stored. */
+OFL_AI __m512 store_master16(staged_block *b, int mb, int j, __m512 pv, __m512i r) {
+    if (!mb) {
+        _mm512_storeu_ps(b->p + j, pv);
+        return pv;
+    }
+    __m512i x = _mm512_castps_si512(pv);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    __m512i y = _mm512_srli_epi32(_mm512_add_epi32(x, r), 16);
+    y = _mm512_mask_mov_epi32(y, nan, _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x0040)));
+    _mm256_storeu_si256((__m256i *)(b->pm + j), _mm512_cvtepi32_epi16(y));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(y, 16));
+}
 
 /* Passes (1) and (2): the moments dequantized and updated into b. unit: grad_scale is 1, and
  * g * 1 is g (a signalling NaN quietened either way by what follows), so it is not multiplied. */
-OFL_AI void stage_moments(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t gd, int l2, int unit,
+OFL_AI void stage_moments(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t gd, int l2, int unit, int mb,
                           staged_block *b) {
     dequant_full(t, OFL_Q8_MAP_SIGNED, b->mc, b->ms[0], b->m);
     dequant_full(t, OFL_Q8_MAP_UNSIGNED, b->vc, b->vs[0], b->v);
@@ -326,7 +369,7 @@ OFL_AI void stage_moments(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int3
          * stage_params looks for it only then. */
         __m512 gv = load_grad16(gd, b->g, i, 0xffff, 0);
         if (!unit) gv = _mm512_mul_ps(gv, gscale);
-        if (l2) gv = _mm512_fmadd_ps(l2c, _mm512_loadu_ps(b->p + i), gv);
+        if (l2) gv = _mm512_fmadd_ps(l2c, load_master16(b, mb, i), gv);
         __m512 mv = _mm512_fmadd_ps(b1, _mm512_load_ps(b->m + i), _mm512_mul_ps(omb1, gv));
         __m512 vv = _mm512_fmadd_ps(b2, _mm512_load_ps(b->v + i), _mm512_mul_ps(_mm512_mul_ps(omb2, gv), gv));
         _mm512_store_ps(b->m + i, mv);
@@ -340,11 +383,11 @@ OFL_AI void stage_moments(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int3
 
 /* Pass (3): the params, and both moments' codes and scales. Returns 1 if a scaled gradient was
  * not finite. */
-OFL_AI int32_t stage_params(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t gd, int32_t od,
+OFL_AI int32_t stage_params(const ofl_q8_tables *t, const ofl_adam_coeffs *c, int32_t gd, int32_t od, int mb,
                             staged_block *b) {
     const __m512 eps = _mm512_set1_ps(c->eps), step = _mm512_set1_ps(c->step_size);
     const __m512 ibc2 = _mm512_set1_ps(c->inv_bias2_sqrt), decay = _mm512_set1_ps(c->decay_mul);
-    float *p = b->p, *bm = b->m, *bv = b->v;
+    float *bm = b->m, *bv = b->v;
     void *out = b->out;
     float sm, sv;
     int fm = full_scale(b->amax_m, &sm), fv = full_scale(b->amax_v, &sv);
@@ -354,13 +397,18 @@ OFL_AI int32_t stage_params(const ofl_q8_tables *t, const ofl_adam_coeffs *c, in
         load_qtab16(t, OFL_Q8_MAP_UNSIGNED, &qv);
         const __m512 im = _mm512_set1_ps(ofl_q8_inverse(sm)), iv = _mm512_set1_ps(ofl_q8_inverse(sv));
         for (int i = 0; i < OFL_Q8_BLOCK; i += 64) {
-            __m512i cm[4], cv[4];
+            __m512i cm[4], cv[4], r[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                                          _mm512_setzero_si512()};
+            if (mb) {
+                sr_bits32(b, i, &r[0], &r[1]);
+                sr_bits32(b, i + 32, &r[2], &r[3]);
+            }
             for (int q = 0; q < 4; q++) {
                 int j = i + 16 * q;
                 __m512 mv = _mm512_load_ps(bm + j), vv = _mm512_load_ps(bv + j);
                 __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vv), ibc2, eps);
-                __m512 pv = _mm512_fnmadd_ps(step, _mm512_div_ps(mv, den), _mm512_mul_ps(_mm512_loadu_ps(p + j), decay));
-                _mm512_storeu_ps(p + j, pv);
+                __m512 pv = _mm512_fnmadd_ps(step, _mm512_div_ps(mv, den), _mm512_mul_ps(load_master16(b, mb, j), decay));
+                pv = store_master16(b, mb, j, pv, r[q]);
                 store_out16(od, out, j, pv, 0xffff, 0);
                 cm[q] = code16_full(&qm, OFL_Q8_MAP_SIGNED, mv, im);
                 cv[q] = code16_full(&qv, OFL_Q8_MAP_UNSIGNED, vv, iv);
@@ -375,14 +423,19 @@ OFL_AI int32_t stage_params(const ofl_q8_tables *t, const ofl_adam_coeffs *c, in
     /* a moment not finite (or a subnormal scale): the general codes, and the gradients' test */
     const __m512 gscale = _mm512_set1_ps(c->grad_scale);
     __m512 bad = _mm512_setzero_ps();
-    for (int i = 0; i < OFL_Q8_BLOCK; i += 16) {
-        __m512 gv = _mm512_mul_ps(load_grad16(gd, b->g, i, 0xffff, 0), gscale);
-        bad = _mm512_add_ps(bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
-        __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(bv + i)), ibc2, eps);
-        __m512 pv = _mm512_fnmadd_ps(step, _mm512_div_ps(_mm512_load_ps(bm + i), den),
-                                     _mm512_mul_ps(_mm512_loadu_ps(p + i), decay));
-        _mm512_storeu_ps(p + i, pv);
-        store_out16(od, out, i, pv, 0xffff, 0);
+    for (int i = 0; i < OFL_Q8_BLOCK; i += 32) {
+        __m512i r[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        if (mb) sr_bits32(b, i, &r[0], &r[1]);
+        for (int q = 0; q < 2; q++) {
+            int j = i + 16 * q;
+            __m512 gv = _mm512_mul_ps(load_grad16(gd, b->g, j, 0xffff, 0), gscale);
+            bad = _mm512_add_ps(bad, _mm512_mul_ps(gv, _mm512_setzero_ps()));
+            __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(_mm512_load_ps(bv + j)), ibc2, eps);
+            __m512 pv = _mm512_fnmadd_ps(step, _mm512_div_ps(_mm512_load_ps(bm + j), den),
+                                         _mm512_mul_ps(load_master16(b, mb, j), decay));
+            pv = store_master16(b, mb, j, pv, r[q]);
+            store_out16(od, out, j, pv, 0xffff, 0);
+        }
     }
     codes_block16(t, OFL_Q8_MAP_SIGNED, bm, b->mc, b->ms, OFL_Q8_BLOCK, b->amax_m);
     codes_block16(t, OFL_Q8_MAP_UNSIGNED, bv, b->vc, b->vs, OFL_Q8_BLOCK, b->amax_v);
@@ -448,20 +501,95 @@ OFL_AI int32_t loop16(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int l2, 
             sb->ms = ms + b;
             sb->vs = vs + b;
             sb->out = out ? (char *)out + i * eo : NULL;
-            if (unit) stage_moments(t, c, gd, l2, 1, sb);
-            else stage_moments(t, c, gd, l2, 0, sb);
-            if (pending) bad |= stage_params(t, c, gd, od, pending);
+            if (unit) stage_moments(t, c, gd, l2, 1, 0, sb);
+            else stage_moments(t, c, gd, l2, 0, 0, sb);
+            if (pending) bad |= stage_params(t, c, gd, od, 0, pending);
             pending = sb;
             continue;
         }
-        if (pending) bad |= stage_params(t, c, gd, od, pending);
+        if (pending) bad |= stage_params(t, c, gd, od, 0, pending);
         pending = NULL;
         bad |= block16(t, c, gd, od, l2, sd, p + i, (const char *)g + i * eg, (char *)m + i * es,
                        (char *)v + i * es, sd == OFL_STATE_Q8 ? ms + b : NULL,
                        sd == OFL_STATE_Q8 ? vs + b : NULL, out ? (char *)out + i * eo : NULL, len);
     }
-    if (pending) bad |= stage_params(t, c, gd, od, pending);
+    if (pending) bad |= stage_params(t, c, gd, od, 0, pending);
     return bad;
 }
 
 OFL_DEFINE_ADAMQ_KERNEL(OFL_Q8_FN(ofl_adamq_kernel), loop16)
+
+/* A bf16 master's n elements from element `first` (even) of its tensor: whole int8 blocks fused
+ * ([Note: a bf16 master in the full-block pass]), any other block through an fp32 copy of its
+ * masters rounded back as the tile path does. */
+OFL_AI int32_t loop16_m16(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int l2, int32_t sd, uint16_t *pm,
+                          uint32_t key, uint32_t first, const void *g, void *m, void *v, float *ms, float *vs,
+                          void *out, int64_t n) {
+    const ofl_q8_tables *t = ofl_q8_tables_get();
+    int64_t es = sd == OFL_STATE_Q8 ? 1 : 2;
+    int64_t eg = gd == OFL_DTYPE_F32 ? 4 : 2, eo = od == OFL_DTYPE_F32 ? 4 : 2;
+    int32_t bad = 0;
+    staged_block st[2];
+    staged_block *pending = NULL;
+    const int unit = c->grad_scale == 1.0f;
+    for (int64_t b = 0, i = 0; i < n; b++, i += OFL_Q8_BLOCK) {
+        int64_t len = n - i < OFL_Q8_BLOCK ? n - i : OFL_Q8_BLOCK;
+        if (sd == OFL_STATE_Q8 && len == OFL_Q8_BLOCK) {
+            staged_block *sb = &st[b & 1];
+            sb->p = NULL;
+            sb->pm = pm + i;
+            sb->key = key;
+            sb->first = first + (uint32_t)i;
+            sb->g = (const char *)g + i * eg;
+            sb->mc = (uint8_t *)m + i;
+            sb->vc = (uint8_t *)v + i;
+            sb->ms = ms + b;
+            sb->vs = vs + b;
+            sb->out = out ? (char *)out + i * eo : NULL;
+            if (unit) stage_moments(t, c, gd, l2, 1, 1, sb);
+            else stage_moments(t, c, gd, l2, 0, 1, sb);
+            if (pending) bad |= stage_params(t, c, gd, od, 1, pending);
+            pending = sb;
+            continue;
+        }
+        if (pending) bad |= stage_params(t, c, gd, od, 1, pending);
+        pending = NULL;
+        float wide[OFL_Q8_BLOCK] __attribute__((aligned(64)));
+        uint32_t *w = (uint32_t *)wide;
+        for (int64_t j = 0; j < len; j++) w[j] = (uint32_t)pm[i + j] << 16;
+        bad |= block16(t, c, gd, OFL_DTYPE_NONE, l2, sd, wide, (const char *)g + i * eg, (char *)m + i * es,
+                       (char *)v + i * es, sd == OFL_STATE_Q8 ? ms + b : NULL, sd == OFL_STATE_Q8 ? vs + b : NULL,
+                       NULL, len);
+        for (int64_t j = 0; j < len; j++) {
+            pm[i + j] = ofl_bf16_sr1(w[j], ofl_sr_bits(key, first + (uint32_t)(i + j)));
+            if (out) ofl_store_out1(od, (char *)out + i * eo, j, ofl_bf16_to_f32(pm[i + j]));
+        }
+    }
+    if (pending) bad |= stage_params(t, c, gd, od, 1, pending);
+    return bad;
+}
+
+#define OFL_ADAMQ_M16_ARGS pm, key, first, g, m, v, ms, vs, out, n
+#define OFL_ADAMQ_M16_SD(GD, OD, L2)                                                             \
+    if (sd == OFL_STATE_Q8) return loop16_m16(c, GD, OD, L2, OFL_STATE_Q8, OFL_ADAMQ_M16_ARGS);   \
+    return loop16_m16(c, GD, OD, L2, OFL_STATE_BF16, OFL_ADAMQ_M16_ARGS);
+#define OFL_ADAMQ_M16_OUT(GD, L2)                                                 \
+    switch (od) {                                                                 \
+    case OFL_DTYPE_NONE: OFL_ADAMQ_M16_SD(GD, OFL_DTYPE_NONE, L2)                 \
+    case OFL_DTYPE_F32: OFL_ADAMQ_M16_SD(GD, OFL_DTYPE_F32, L2)                   \
+    case OFL_DTYPE_BF16: OFL_ADAMQ_M16_SD(GD, OFL_DTYPE_BF16, L2)                 \
+    default: OFL_ADAMQ_M16_SD(GD, OFL_DTYPE_F16, L2)                              \
+    }
+#define OFL_ADAMQ_M16_GRAD(L2)                                      \
+    switch (gd) {                                                   \
+    case OFL_DTYPE_F32: OFL_ADAMQ_M16_OUT(OFL_DTYPE_F32, L2)        \
+    case OFL_DTYPE_BF16: OFL_ADAMQ_M16_OUT(OFL_DTYPE_BF16, L2)      \
+    default: OFL_ADAMQ_M16_OUT(OFL_DTYPE_F16, L2)                   \
+    }
+
+int32_t OFL_Q8_FN(ofl_adamq_m16_kernel)(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int32_t sd, uint16_t *pm,
+                                        uint32_t key, uint32_t first, const void *g, void *m, void *v, float *ms,
+                                        float *vs, void *out, int64_t n) {
+    if (c->l2_decay != 0.0f) OFL_ADAMQ_M16_GRAD(1)
+    OFL_ADAMQ_M16_GRAD(0)
+}
