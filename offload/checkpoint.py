@@ -73,8 +73,9 @@ class _Resident:
     """Sub-group state blocks held in host memory while a save or load walks them (LRU).
 
     Checkpoints hold the fp32 ``[master | exp_avg | exp_avg_sq]`` whatever ``offload.state_dtype``
-    is: a bf16 or int8 block is seen dequantized here, and a load quantizes what it wrote when the
-    block is given back, so a checkpoint loads into a run of any state dtype."""
+    and ``offload.master_dtype`` are: a bf16 or int8 block is seen dequantized here (a bf16 master
+    widened), and a load quantizes what it wrote when the block is given back (an fp32 master rounded
+    to nearest into a bf16 one), so a checkpoint loads into a run of any state and master dtype."""
 
     def __init__(self, storage, *, write: bool) -> None:
         self.storage = storage

@@ -385,7 +385,7 @@ class OffloadSectionConfig:
     """Step sub-groups whose gradients have all landed while backward still runs
     (offload.zero.overlap): "auto" (on where the model computes on a GPU), true or false."""
     state_dtype: str = "fp32"
-    """How the offloaded Adam moments are stored (the fp32 master is kept): "fp32" (the bit-exact
+    """How the offloaded Adam moments are stored (the master is kept, see master_dtype): "fp32" (the bit-exact
     default), "bf16", or "int8" (blockwise dynamic 8-bit codes with a float32 scale per 256 elements;
     see cpu_adam.quant). Needs offload_optimizer device cpu or nvme."""
     master_dtype: str = "fp32"

@@ -15,7 +15,7 @@ class EngineStats:
     tier: str
     """Which tier holds the state (the embedded store and its engine, or the daemon)."""
     state_bytes_by_tier: dict[str, int]
-    """Bytes of fp32 master + moments per tier now: "device", "host", "nvme"."""
+    """Bytes of master + moments (at their state and master dtypes) per tier now: "device", "host", "nvme"."""
     bytes_read_total: int
     """NVMe -> host bytes of this engine's tier."""
     bytes_written_total: int

@@ -19,7 +19,8 @@ block as it is (the copy was not whole, so the pass had not started: the block i
 then runs the pass whole. The word is reset at every pass, so a copy left by an earlier pass of
 the same sub-group is never taken for this one's.
 
-Cost: a copy of the block (6.03 bytes per parameter with int8 moments, 8 with bf16) per pass,
+Cost: a copy of the block (6.03 bytes per parameter with int8 moments, 8 with bf16; 2 fewer each
+with ``offload.master_dtype`` bf16) per pass,
 ``tools/bench/results/step-record-undo_2core-epyc_202611.md``.
 """
 from __future__ import annotations
