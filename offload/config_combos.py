@@ -6,22 +6,24 @@ from __future__ import annotations
 from typing import Any
 
 from csrc.errors import ConfigError
-from offload.config_sections import OffloadDevice
 
 __all__ = ["check_combinations"]
 
-_NONE, _NVME = OffloadDevice.NONE, OffloadDevice.NVME
+
+def _offloaded(device: Any) -> bool:
+    """An ``OffloadDevice`` other than none (by value: this module may not import the sections')."""
+    return device.value != "none"
 
 
 def check_combinations(config: Any) -> None:
     """Raise ``ConfigError`` for the first combination of ``config`` (an ``EngineConfig``) that cannot run."""
     if config.offload.delayed_update:  # [Note: delayed update] in offload.zero.delayed says why
-        if config.zero.offload_optimizer.device is _NONE:
+        if not _offloaded(config.zero.offload_optimizer.device):
             raise ConfigError("offload.delayed_update needs zero_optimization.offload_optimizer.device "
                               "cpu or nvme (it overlaps the CPU's optimizer step with the next step)")
         if config.zero.stage == 3:
             raise ConfigError("offload.delayed_update is not supported with zero_optimization.stage 3 yet")
-    if config.offload.state_dtype != "fp32" and config.zero.offload_optimizer.device is _NONE:
+    if config.offload.state_dtype != "fp32" and not _offloaded(config.zero.offload_optimizer.device):
         raise ConfigError(f"offload.state_dtype {config.offload.state_dtype!r} needs zero_optimization."
                           "offload_optimizer.device cpu or nvme (the compressed moments are stepped by the CPU)")
     if config.offload.master_dtype == "bf16" and config.offload.state_dtype == "fp32":
@@ -31,11 +33,11 @@ def check_combinations(config: Any) -> None:
     if config.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
         _overlap_step_supported(config)
     if config.data_types.grad_accum_dtype == "bf16" and (
-            config.zero.offload_optimizer.device is _NONE or config.offload.delayed_update):
+            not _offloaded(config.zero.offload_optimizer.device) or config.offload.delayed_update):
         raise ConfigError("data_types.grad_accum_dtype \"bf16\" needs zero_optimization.offload_optimizer.device "
                           "cpu or nvme, without offload.delayed_update (its accumulators are the CPU step's)")
     if config.offload.gradient_tier == "nvme" and (
-            config.zero.stage != 3 or config.zero.offload_optimizer.device is not _NVME):
+            config.zero.stage != 3 or config.zero.offload_optimizer.device.value != "nvme"):
         raise ConfigError("offload.gradient_tier \"nvme\" needs zero_optimization.stage 3 with "
                           "offload_optimizer.device nvme (stages 0-2 keep one flat gradient buffer as large "
                           f"as the model; this config has stage {config.zero.stage}, offload_optimizer "
@@ -47,7 +49,7 @@ def _overlap_step_supported(config: Any) -> None:
     if config.offload.delayed_update:
         raise ConfigError("offload.overlap_step and offload.delayed_update are exclusive (the delayed update "
                           "already overlaps the whole step): turn one of them off")
-    if config.zero.offload_optimizer.device is _NONE:
+    if not _offloaded(config.zero.offload_optimizer.device):
         raise ConfigError("offload.overlap_step needs zero_optimization.offload_optimizer.device cpu or nvme "
                           "(it overlaps the CPU's optimizer step with backward)")
     if config.zero.stage == 3:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from csrc.errors import ConfigError
 from offload.config_checks import check_bool as _bool, check_float as _float, check_int as _int, check_text as _text
 from offload.config_checks import fail as _fail
+from offload.config_combos import check_combinations
 
 __all__ = [
     "OffloadDevice",
@@ -470,6 +471,4 @@ class EngineConfig:
         _bool(self, "wall_clock_breakdown")
         if self.fp16.enabled and self.bf16.enabled:
             _fail(self, "bf16", "disabled when fp16 is enabled (fp16 and bf16 are both enabled)")
-        from offload.config_combos import check_combinations  # it imports this module
-
         check_combinations(self)
