@@ -15,9 +15,20 @@ static void store_sr_tail(const uint32_t *s, uint16_t *dst, int64_t n, uint32_t 
     for (int64_t i = 0; i < n; i++) dst[i] = ofl_bf16_sr1(s[i], ofl_sr_bits(key, first + (uint32_t)i));
 }
 
-__attribute__((optimize("no-tree-vectorize"))) static void widen_scalar(const uint16_t *src, float *dst, int64_t n) {
-    uint32_t *d = (uint32_t *)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)src[i] << 16;
+/* bf16 -> fp32 is the bits moved up 16: the same loop under each target. */
+#define OFL_WIDEN(NAME, ATTR)                                                                \
+    ATTR static void NAME(const uint16_t *restrict src, float *restrict dst, int64_t n) {    \
+        uint32_t *d = (uint32_t *)dst;                                                       \
+        for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)src[i] << 16;                       \
+    }
+
+OFL_WIDEN(widen_scalar, __attribute__((optimize("no-tree-vectorize"))))
+
+/* The vector paths' head: an odd first element alone (pairs start on even ones); how many were done. */
+static int64_t store_sr_head(const uint32_t *s, uint16_t *dst, int64_t n, uint32_t key, uint32_t first) {
+    if (n == 0 || !(first & 1u)) return 0;
+    store_sr_tail(s, dst, 1, key, first);
+    return 1;
 }
 
 __attribute__((optimize("no-tree-vectorize"))) static void store_sr_scalar(const float *src, uint16_t *dst, int64_t n,
@@ -26,40 +37,18 @@ __attribute__((optimize("no-tree-vectorize"))) static void store_sr_scalar(const
 }
 
 #if OFL_HAVE_X86
-__attribute__((target("avx2"))) static void widen_avx2(const uint16_t *restrict src, float *restrict dst, int64_t n) {
-    uint32_t *d = (uint32_t *)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)src[i] << 16;
-}
-
-__attribute__((target("avx512f,avx512bw"))) static void widen_avx512(const uint16_t *restrict src, float *restrict dst,
-                                                                     int64_t n) {
-    uint32_t *d = (uint32_t *)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)src[i] << 16;
-}
-
-/* ofl_fmix32 on every lane of h, with one vector width's xor, shift, multiply and broadcast. */
-#define OFL_FMIX_V(h, XOR, SRLI, MUL, SET1)                     \
-    do {                                                        \
-        h = XOR(h, SRLI(h, 16));                                \
-        h = MUL(h, SET1((int)0x85ebca6bu));                     \
-        h = XOR(h, SRLI(h, 13));                                \
-        h = MUL(h, SET1((int)0xc2b2ae35u));                     \
-        h = XOR(h, SRLI(h, 16));                                \
-    } while (0)
+OFL_WIDEN(widen_avx2, __attribute__((target("avx2"))))
+OFL_WIDEN(widen_avx512, __attribute__((target("avx512f,avx512bw"))))
 
 /* 16 elements a step (8 pair hashes); the rounding and NaN rule as ofl_bf16_sr1. */
 __attribute__((target("avx2"))) static void store_sr_avx2(const float *src, uint16_t *dst, int64_t n, uint32_t key,
                                                           uint32_t first) {
     const uint32_t *s = (const uint32_t *)src;
-    int64_t i = 0;
-    if (n > 0 && (first & 1u)) { /* pairs start on even elements */
-        store_sr_tail(s, dst, 1, key, first);
-        i = 1;
-    }
-    const __m256i golden8 = _mm256_set1_epi32((int)(8u * 0x9e3779b1u));
+    int64_t i = store_sr_head(s, dst, n, key, first);
+    const __m256i golden8 = _mm256_set1_epi32((int)(8u * OFL_SR_GOLDEN));
     __m256i base = _mm256_add_epi32(
-        _mm256_set1_epi32((int)(((first + (uint32_t)i) >> 1) * 0x9e3779b1u + key)),
-        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)0x9e3779b1u)));
+        _mm256_set1_epi32((int)(((first + (uint32_t)i) >> 1) * OFL_SR_GOLDEN + key)),
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)OFL_SR_GOLDEN)));
     const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
     const __m256i quiet = _mm256_set1_epi32(0x0040), low = _mm256_set1_epi32(0xffff);
     for (; i + 16 <= n; i += 16) {
@@ -89,16 +78,12 @@ __attribute__((target("avx2"))) static void store_sr_avx2(const float *src, uint
 __attribute__((target("avx512f,avx512bw"))) static void store_sr_avx512(const float *src, uint16_t *dst, int64_t n,
                                                                         uint32_t key, uint32_t first) {
     const uint32_t *s = (const uint32_t *)src;
-    int64_t i = 0;
-    if (n > 0 && (first & 1u)) {
-        store_sr_tail(s, dst, 1, key, first);
-        i = 1;
-    }
-    const __m512i golden16 = _mm512_set1_epi32((int)(16u * 0x9e3779b1u));
+    int64_t i = store_sr_head(s, dst, n, key, first);
+    const __m512i golden16 = _mm512_set1_epi32((int)(16u * OFL_SR_GOLDEN));
     __m512i base = _mm512_add_epi32(
-        _mm512_set1_epi32((int)(((first + (uint32_t)i) >> 1) * 0x9e3779b1u + key)),
+        _mm512_set1_epi32((int)(((first + (uint32_t)i) >> 1) * OFL_SR_GOLDEN + key)),
         _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           _mm512_set1_epi32((int)0x9e3779b1u)));
+                           _mm512_set1_epi32((int)OFL_SR_GOLDEN)));
     const __m512i idx_a = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i idx_b = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
     const __m512i absmask = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);

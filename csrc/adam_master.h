@@ -24,10 +24,21 @@ static inline uint32_t ofl_fmix32(uint32_t h) {
 /* The 16 random bits of element j of a tensor whose (seed, step) key is `key`: one hash a pair
  * of elements, h = fmix32((j / 2) * 0x9e3779b1 + key), its high half for the even element and
  * its low half for the odd one (half the hashing of one a element; every bit of h is mixed). */
+#define OFL_SR_GOLDEN 0x9e3779b1u
 static inline uint32_t ofl_sr_bits(uint32_t key, uint32_t j) {
-    uint32_t h = ofl_fmix32((j >> 1) * 0x9e3779b1u + key);
+    uint32_t h = ofl_fmix32((j >> 1) * OFL_SR_GOLDEN + key);
     return j & 1u ? h & 0xffffu : h >> 16;
 }
+
+/* ofl_fmix32 on every lane of h, with one vector width's xor, shift, multiply and broadcast. */
+#define OFL_FMIX_V(h, XOR, SRLI, MUL, SET1)                     \
+    do {                                                        \
+        h = XOR(h, SRLI(h, 16));                                \
+        h = MUL(h, SET1((int)0x85ebca6bu));                     \
+        h = XOR(h, SRLI(h, 13));                                \
+        h = MUL(h, SET1((int)0xc2b2ae35u));                     \
+        h = XOR(h, SRLI(h, 16));                                \
+    } while (0)
 
 /* x's bits rounded to bfloat16 stochastically with 16 random bits r: the top 16 bits of x + r,
  * so x rounds away from zero with probability (its dropped 16 bits) / 2^16; NaN stays a quiet NaN. */

@@ -135,30 +135,34 @@ static inline float ofl_adamq_update1(const ofl_adam_coeffs *c, int32_t gd, int3
     return gs;
 }
 
-/* The per-ISA entry points call LOOP(c, GD, OD, L2, SD, ...) with every combination
- * as constants, so each is compiled with its conversions folded in. */
-#define OFL_ADAMQ_ARGS p, g, m, v, ms, vs, out, n
-#define OFL_ADAMQ_SD_CASES(LOOP, GD, OD, L2)                                         \
-    if (sd == OFL_STATE_Q8) return LOOP(c, GD, OD, L2, OFL_STATE_Q8, OFL_ADAMQ_ARGS); \
-    return LOOP(c, GD, OD, L2, OFL_STATE_BF16, OFL_ADAMQ_ARGS);
-#define OFL_ADAMQ_OUT_CASES(LOOP, GD, L2)                                                  \
+/* The per-ISA entry points call LOOP(c, GD, OD, L2, SD, ARGS()) with every combination as
+ * constants, so each is compiled with its conversions folded in. ARGS names a function-like
+ * macro giving the loop's remaining arguments (a plain name is not expanded on its way down). */
+#define OFL_ADAMQ_ARGS() p, g, m, v, ms, vs, out, n
+#define OFL_ADAMQ_SD_CASES(LOOP, ARGS, GD, OD, L2)                                  \
+    if (sd == OFL_STATE_Q8) return LOOP(c, GD, OD, L2, OFL_STATE_Q8, ARGS());        \
+    return LOOP(c, GD, OD, L2, OFL_STATE_BF16, ARGS());
+#define OFL_ADAMQ_OUT_CASES(LOOP, ARGS, GD, L2)                                            \
     switch (od) {                                                                          \
-    case OFL_DTYPE_NONE: OFL_ADAMQ_SD_CASES(LOOP, GD, OFL_DTYPE_NONE, L2)                  \
-    case OFL_DTYPE_F32: OFL_ADAMQ_SD_CASES(LOOP, GD, OFL_DTYPE_F32, L2)                    \
-    case OFL_DTYPE_BF16: OFL_ADAMQ_SD_CASES(LOOP, GD, OFL_DTYPE_BF16, L2)                  \
-    default: OFL_ADAMQ_SD_CASES(LOOP, GD, OFL_DTYPE_F16, L2)                               \
+    case OFL_DTYPE_NONE: OFL_ADAMQ_SD_CASES(LOOP, ARGS, GD, OFL_DTYPE_NONE, L2)            \
+    case OFL_DTYPE_F32: OFL_ADAMQ_SD_CASES(LOOP, ARGS, GD, OFL_DTYPE_F32, L2)              \
+    case OFL_DTYPE_BF16: OFL_ADAMQ_SD_CASES(LOOP, ARGS, GD, OFL_DTYPE_BF16, L2)            \
+    default: OFL_ADAMQ_SD_CASES(LOOP, ARGS, GD, OFL_DTYPE_F16, L2)                         \
     }
-#define OFL_ADAMQ_GRAD_CASES(LOOP, L2)                                  \
-    switch (gd) {                                                       \
-    case OFL_DTYPE_F32: OFL_ADAMQ_OUT_CASES(LOOP, OFL_DTYPE_F32, L2)    \
-    case OFL_DTYPE_BF16: OFL_ADAMQ_OUT_CASES(LOOP, OFL_DTYPE_BF16, L2)  \
-    default: OFL_ADAMQ_OUT_CASES(LOOP, OFL_DTYPE_F16, L2)               \
+#define OFL_ADAMQ_GRAD_CASES(LOOP, ARGS, L2)                                  \
+    switch (gd) {                                                             \
+    case OFL_DTYPE_F32: OFL_ADAMQ_OUT_CASES(LOOP, ARGS, OFL_DTYPE_F32, L2)    \
+    case OFL_DTYPE_BF16: OFL_ADAMQ_OUT_CASES(LOOP, ARGS, OFL_DTYPE_BF16, L2)  \
+    default: OFL_ADAMQ_OUT_CASES(LOOP, ARGS, OFL_DTYPE_F16, L2)               \
     }
+/* The L2 term is a constant too: 0 when the decay is 0 (0 * inf would turn an inf param into NaN). */
+#define OFL_ADAMQ_L2_CASES(LOOP, ARGS)                                  \
+    if (c->l2_decay != 0.0f) OFL_ADAMQ_GRAD_CASES(LOOP, ARGS, 1)        \
+    OFL_ADAMQ_GRAD_CASES(LOOP, ARGS, 0)
 #define OFL_DEFINE_ADAMQ_KERNEL(NAME, LOOP)                                                          \
     int32_t NAME(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int32_t sd, float *p,            \
                  const void *g, void *m, void *v, float *ms, float *vs, void *out, int64_t n) {     \
-        if (c->l2_decay != 0.0f) OFL_ADAMQ_GRAD_CASES(LOOP, 1)                                      \
-        OFL_ADAMQ_GRAD_CASES(LOOP, 0)                                                               \
+        OFL_ADAMQ_L2_CASES(LOOP, OFL_ADAMQ_ARGS)                                                    \
     }
 
 #endif /* OFL_ADAM_Q8_H */

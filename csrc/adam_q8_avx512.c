@@ -6,5 +6,5 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #define OFL_Q8_VBMI 0
 #include "adam_q8_avx512_loop.h"
-#include "adam_q8_avx512_m16.h"
+#include "adam_q8_avx512_driver.h"
 #endif /* OFL_HAVE_X86 */

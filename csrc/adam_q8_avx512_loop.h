@@ -326,13 +326,9 @@ OFL_AI __m512 load_master16(const staged_block *b, int mb, int j) {
 OFL_AI void sr_bits32(const staged_block *b, int j, __m512i *r0, __m512i *r1) {
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i pair = _mm512_add_epi32(_mm512_set1_epi32((int)((b->first + (uint32_t)j) >> 1)), lanes);
-    __m512i h = _mm512_add_epi32(_mm512_mullo_epi32(pair, _mm512_set1_epi32((int)0x9e3779b1u)),
+    __m512i h = _mm512_add_epi32(_mm512_mullo_epi32(pair, _mm512_set1_epi32((int)OFL_SR_GOLDEN)),
                                  _mm512_set1_epi32((int)b->key));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85ebca6bu));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xc2b2ae35u));
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    OFL_FMIX_V(h, _mm512_xor_si512, _mm512_srli_epi32, _mm512_mullo_epi32, _mm512_set1_epi32);
     __m512i hi = _mm512_srli_epi32(h, 16), lo = _mm512_and_si512(h, _mm512_set1_epi32(0xffff));
     *r0 = _mm512_permutex2var_epi32(hi, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), lo);
     *r1 = _mm512_permutex2var_epi32(hi, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), lo);
@@ -478,43 +474,3 @@ void OFL_Q8_FN(ofl_q8_dequant)(const ofl_q8_tables *t, int32_t map, const uint8_
         _mm512_mask_storeu_ps(x + i, k, dequant16(&tab, map, codes + i, s, k));
     }
 }
-
-OFL_AI int32_t loop16(const ofl_adam_coeffs *c, int32_t gd, int32_t od, int l2, int32_t sd, float *p,
-                      const void *g, void *m, void *v, float *ms, float *vs, void *out, int64_t n) {
-    const ofl_q8_tables *t = ofl_q8_tables_get();
-    int64_t es = sd == OFL_STATE_Q8 ? 1 : 2;
-    int64_t eg = gd == OFL_DTYPE_F32 ? 4 : 2, eo = od == OFL_DTYPE_F32 ? 4 : 2;
-    int32_t bad = 0;
-    /* Whole int8 blocks in a software pipeline: block b's moments, then block b - 1's params
-     * and codes, so the wait for b - 1's scales is spent on b's work. */
-    staged_block st[2];
-    staged_block *pending = NULL;
-    const int unit = c->grad_scale == 1.0f;
-    for (int64_t b = 0, i = 0; i < n; b++, i += OFL_Q8_BLOCK) {
-        int64_t len = n - i < OFL_Q8_BLOCK ? n - i : OFL_Q8_BLOCK;
-        if (sd == OFL_STATE_Q8 && len == OFL_Q8_BLOCK) {
-            staged_block *sb = &st[b & 1];
-            sb->p = p + i;
-            sb->g = (const char *)g + i * eg;
-            sb->mc = (uint8_t *)m + i;
-            sb->vc = (uint8_t *)v + i;
-            sb->ms = ms + b;
-            sb->vs = vs + b;
-            sb->out = out ? (char *)out + i * eo : NULL;
-            if (unit) stage_moments(t, c, gd, l2, 1, 0, sb);
-            else stage_moments(t, c, gd, l2, 0, 0, sb);
-            if (pending) bad |= stage_params(t, c, gd, od, 0, pending);
-            pending = sb;
-            continue;
-        }
-        if (pending) bad |= stage_params(t, c, gd, od, 0, pending);
-        pending = NULL;
-        bad |= block16(t, c, gd, od, l2, sd, p + i, (const char *)g + i * eg, (char *)m + i * es,
-                       (char *)v + i * es, sd == OFL_STATE_Q8 ? ms + b : NULL,
-                       sd == OFL_STATE_Q8 ? vs + b : NULL, out ? (char *)out + i * eo : NULL, len);
-    }
-    if (pending) bad |= stage_params(t, c, gd, od, 0, pending);
-    return bad;
-}
-
-OFL_DEFINE_ADAMQ_KERNEL(OFL_Q8_FN(ofl_adamq_kernel), loop16)
