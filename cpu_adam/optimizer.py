@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ _UNSUPPORTED = {
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam/AdamW over float32 CPU params, all tensors of a group in one multithreaded SIMD call.
+    """Adam/AdamW over CPU params, all tensors of a group in one multithreaded SIMD call.
 
     ``adamw_mode=True`` (the default) decays weights decoupled, as AdamW; False adds
     ``weight_decay * p`` to the gradient, as Adam. ``num_threads`` defaults to the cores
@@ -43,6 +43,9 @@ class CPUAdam(torch.optim.Optimizer):
     ``state_dtype`` stores the moments as "fp32" (torch's state, bit for bit), "bf16" or "int8"
     (uint8 codes in ``exp_avg``/``exp_avg_sq`` and block scales in ``exp_avg_scale``/
     ``exp_avg_sq_scale``; see ``cpu_adam.quant``); a loaded state of another kind is converted.
+
+    Params are float32; with "bf16" or "int8" moments they may also be bfloat16, each its own
+    master ([Note: bfloat16 params]): 2 bytes a param for it and 2 or about 2 for its moments.
 
     Each group's params and state are held in an ``AdamPlan`` (their addresses, checked
     once), so a step costs a C call plus a check of the new gradients. The state tensors
@@ -118,9 +121,19 @@ class CPUAdam(torch.optim.Optimizer):
             for key, why in _UNSUPPORTED.items():
                 if group.get(key):
                     raise ConfigError(f"param group {i} of the state has {key}=True: {why}")
-        super().load_state_dict(state_dict)
-        for st in self.state.values():  # torch casts every state tensor to the param's dtype
-            if "exp_avg" in st:
+        # torch's loader casts floating state to the param's dtype ([Note: bfloat16 params]): the
+        # moments go around it, each to its param by the order torch matches them in
+        moments, rest = {}, {}
+        for pid, st in state_dict["state"].items():
+            moments[pid] = {k: v for k, v in st.items() if k in _MOMENT_KEYS}
+            rest[pid] = {k: v for k, v in st.items() if k not in _MOMENT_KEYS}
+        super().load_state_dict({**state_dict, "state": rest})
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params):
+            if moments.get(pid):
+                st = self.state[p]
+                st.update((k, v.to(device=p.device) if torch.is_tensor(v) else v) for k, v in moments[pid].items())
                 _convert_moments(st, self._state_dtype)
 
     def _cached_config(self, index: int, group: dict[str, Any]) -> AdamConfig:
@@ -157,17 +170,21 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        first = 0  # the place of the group's first param among all (a bf16 param's seed)
         for index, group in enumerate(self.param_groups):
             params = group["params"]
+            seeds = range(first, first + len(params))
+            first += len(params)
             grads = list(map(_GRAD, params))
             if any(map(operator.is_, grads, _NONES)):
+                seeds = [s for s, g in zip(seeds, grads) if g is not None]
                 params = [p for p, g in zip(params, grads) if g is not None]
                 grads = [g for g in grads if g is not None]
             if not params:
                 continue
             config = self._cached_config(index, group)
             if self._state_dtype is not StateDtype.FP32:
-                self._step_compressed(params, grads, config)
+                self._step_compressed(params, grads, seeds, config)
                 continue
             plan = self._plans.get(index)
             if plan is None or not plan.matches(params):
@@ -175,28 +192,41 @@ class CPUAdam(torch.optim.Optimizer):
             plan.step(grads, config=config)
         return loss
 
-    def _step_compressed(self, params: list[torch.Tensor], grads: list[torch.Tensor], config: AdamConfig) -> None:
-        """One call over bf16 or int8 moments (no plan: the call checks every tensor)."""
+    def _step_compressed(self, params: list[torch.Tensor], grads: list[torch.Tensor], seeds: Sequence[int],
+                         config: AdamConfig) -> None:
+        """A call over bf16 or int8 moments per param dtype (no plan: the call checks every tensor)."""
         self._check_params(params)
         for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state.update(zip(_MOMENT_KEYS, zeros_moments(p.shape, self._state_dtype)))
-        states = [self.state[p] for p in params]
+                state.update((k, t) for k, t in zip(_MOMENT_KEYS, zeros_moments(p.shape, self._state_dtype))
+                             if t is not None)  # bf16 moments have no scales
         q8 = self._state_dtype is StateDtype.INT8
-        adam_step(params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-                  [st["step"] for st in states], config=config,
-                  exp_avg_scales=[st["exp_avg_scale"] for st in states] if q8 else None,
-                  exp_avg_sq_scales=[st["exp_avg_sq_scale"] for st in states] if q8 else None)
+        for dtype in (torch.float32, torch.bfloat16):
+            mine = [i for i, p in enumerate(params) if p.dtype is dtype]
+            if not mine:
+                continue
+            states = [self.state[params[i]] for i in mine]
+            adam_step([params[i] for i in mine], [grads[i] for i in mine], [st["exp_avg"] for st in states],
+                      [st["exp_avg_sq"] for st in states], [st["step"] for st in states], config=config,
+                      exp_avg_scales=[st["exp_avg_scale"] for st in states] if q8 else None,
+                      exp_avg_sq_scales=[st["exp_avg_sq_scale"] for st in states] if q8 else None,
+                      master_seeds=[seeds[i] for i in mine] if dtype is torch.bfloat16 else None)
 
     def _check_params(self, params: list[torch.Tensor]) -> None:
         for p in params:
             if p.grad.is_sparse:
                 raise ConfigError("CPUAdam does not support sparse gradients")
-            if p.dtype != torch.float32:
-                raise ConfigError(f"CPUAdam updates float32 params; got a {p.dtype} param of "
-                                  f"shape {tuple(p.shape)} (keep a float32 master copy)")
+            if p.dtype is torch.float32 or (p.dtype is torch.bfloat16 and self._state_dtype is not StateDtype.FP32):
+                continue
+            shape = tuple(p.shape)
+            if p.dtype is torch.bfloat16:
+                raise ConfigError(f'CPUAdam steps a bfloat16 param (shape {shape}) as its own master with '
+                                  f'state_dtype "bf16" or "int8" only, not "fp32" ([Note: bfloat16 params] '
+                                  f'in cpu_adam/optimizer.py)')
+            raise ConfigError(f"CPUAdam updates float32 params, or bfloat16 ones with compressed moments; got a "
+                              f"{p.dtype} param of shape {shape} (keep a float32 master copy)")
 
     def _make_plan(self, params: list[torch.Tensor]) -> AdamPlan:
         """Create missing state and the checked address table of ``params``."""
@@ -214,13 +244,29 @@ class CPUAdam(torch.optim.Optimizer):
 
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
+# [Note: bfloat16 params]
+# A bfloat16 param (with bf16 or int8 moments) is its own master: each step widens it to float32
+# exactly, updates it as a float32 param and stores it back by stochastic rounding, so updates
+# below its last place add up on average instead of being lost, as they are when torch's AdamW
+# steps a bfloat16 param (rounded to nearest). The rounding of an element depends only on the
+# param's place among the optimizer's params (group after group: its seed), the element and the
+# step count ([Note: a bf16 master] in csrc/ofl_adam.h): the same on every ISA and thread count,
+# and on every data-parallel replica, which so stay equal. A group may mix float32 and bfloat16
+# params: each dtype is one call. torch's state-dict loader would cast every floating state
+# tensor to its param's dtype, rounding int8 block scales to bfloat16; load_state_dict keeps the
+# moments and scales out of its way and converts them itself.
+
 
 def _convert_moments(st: dict[str, Any], want: StateDtype) -> None:
     """A loaded state's moments (fp32, bf16, or int8 codes and scales, cast to float by torch) in ``want``."""
     m, v = st["exp_avg"], st["exp_avg_sq"]
+    for key in ("exp_avg_scale", "exp_avg_sq_scale"):  # a bf16 state's, saved as None
+        if key in st and st[key] is None:
+            del st[key]
     if want is StateDtype.FP32 and "exp_avg_scale" not in st and m.dtype == v.dtype == torch.float32:
         return  # as loaded, as before
-    if "exp_avg_scale" in st:  # int8 codes, which torch's loader made float: the codes are exact
+    if "exp_avg_scale" in st:  # int8 codes (made float by torch's loader, in states saved before the
+        # loader kept them out of its way): the codes are exact either way
         m = dequantize(m.to(torch.uint8).contiguous(), st.pop("exp_avg_scale").float().contiguous(), signed=True)
         v = dequantize(v.to(torch.uint8).contiguous(), st.pop("exp_avg_sq_scale").float().contiguous(), signed=False)
     m, v = m.float().contiguous(), v.float().contiguous()
