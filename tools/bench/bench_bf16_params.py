@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from cpu_adam import CPUAdamW, default_num_threads  # noqa: E402
+from offload.omp_wait import quiet_omp_waits  # noqa: E402
 from tools.bench.bench_adam import _pct, _shape, _split, cpu_description, measure  # noqa: E402
 
 # bytes a param of the optimizer's memory: the param and its moments (and int8's block scales)
@@ -125,11 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="*", default=["1e7x1", "1e6x10"], help="N params x T tensors")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--omp-waits", choices=("auto", "sleep", "spin"), default="auto",
+                    help="torch's OpenMP waits, as in bench_adam.py: its workers spin after each op (libgomp's "
+                         "default) on the cores our step needs next unless held asleep")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    team = quiet_omp_waits(mode=args.omp_waits)
     lines = [f"# bfloat16 params: CPUAdamW against torch's AdamW, {datetime.date.today():%Y-%m-%d}", "",
              f"- CPU: {cpu_description()}", f"- {args.threads} threads; torch {torch.__version__}",
+             f"- torch's OpenMP waits: {args.omp_waits}" + (f" (helper team of {team})" if team else ""),
              f"- command: `{' '.join(['python tools/bench/bench_bf16_params.py', *sys.argv[1:]])}`",
              f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     print("\n".join(lines), flush=True)
