@@ -258,15 +258,14 @@ _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
 def _convert_moments(st: dict[str, Any], want: StateDtype) -> None:
-    """A loaded state's moments (fp32, bf16, or int8 codes and scales, cast to float by torch) in ``want``."""
+    """A loaded state's moments (fp32, bf16, or int8 codes and scales, as saved) in ``want``."""
     m, v = st["exp_avg"], st["exp_avg_sq"]
     for key in ("exp_avg_scale", "exp_avg_sq_scale"):  # a bf16 state's, saved as None
         if key in st and st[key] is None:
             del st[key]
     if want is StateDtype.FP32 and "exp_avg_scale" not in st and m.dtype == v.dtype == torch.float32:
         return  # as loaded, as before
-    if "exp_avg_scale" in st:  # int8 codes (made float by torch's loader, in states saved before the
-        # loader kept them out of its way): the codes are exact either way
+    if "exp_avg_scale" in st:  # int8 codes: uint8, or float from a caller who cast them (exact either way)
         m = dequantize(m.to(torch.uint8).contiguous(), st.pop("exp_avg_scale").float().contiguous(), signed=True)
         v = dequantize(v.to(torch.uint8).contiguous(), st.pop("exp_avg_sq_scale").float().contiguous(), signed=False)
     m, v = m.float().contiguous(), v.float().contiguous()

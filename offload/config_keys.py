@@ -85,7 +85,7 @@ OPTIMIZER_PARAMS = KeyTable(
         "torch_adam",             # DeepSpeed: use torch's Adam instead of its fused/CPU one
         "fused", "foreach", "capturable", "differentiable",  # torch Adam implementation choices
         "set_grad_none",          # FusedAdam
-        "fp32_optimizer_states",  # DeepSpeedCPUAdam; our moments are always fp32
+        "fp32_optimizer_states",  # DeepSpeedCPUAdam; our moments follow offload.state_dtype
     }),
 )
 
