@@ -44,7 +44,7 @@ __all__ = [
     "stream_inplace",
 ]
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 
@@ -229,15 +229,16 @@ def adam_step(
     For many calls over the same buffers, ``AdamPlan`` checks them once. Moments of dtype
     bfloat16, or uint8 codes with their float32 block scales (``exp_avg_scales``,
     ``exp_avg_sq_scales``), are compressed states: ``cpu_adam.quant.adam_step_q`` steps them,
-    and with them ``params`` may be bfloat16 masters rounded stochastically (``master_seeds``).
+    and with them, or with float32 moments, ``params`` may be bfloat16 masters rounded
+    stochastically (``master_seeds``).
     """
-    if exp_avgs and exp_avgs[0].dtype in (torch.bfloat16, torch.uint8):
+    if exp_avgs and (exp_avgs[0].dtype in (torch.bfloat16, torch.uint8) or params[0].dtype is torch.bfloat16):
         from cpu_adam.quant import adam_step_q  # it imports this module
         return adam_step_q(params, grads, exp_avgs, exp_avg_sqs, steps, config=config, grad_scale=grad_scale,
                            params_out=params_out, exp_avg_scales=exp_avg_scales,
                            exp_avg_sq_scales=exp_avg_sq_scales, master_seeds=master_seeds)
     if master_seeds is not None:
-        raise ConfigError("a bf16 master (master_seeds) needs compressed moments: bfloat16 or int8 exp_avgs")
+        raise ConfigError("master_seeds name bfloat16 masters; these params are not bfloat16")
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
     if params_out is not None:

@@ -44,8 +44,8 @@ class CPUAdam(torch.optim.Optimizer):
     (uint8 codes in ``exp_avg``/``exp_avg_sq`` and block scales in ``exp_avg_scale``/
     ``exp_avg_sq_scale``; see ``cpu_adam.quant``); a loaded state of another kind is converted.
 
-    Params are float32; with "bf16" or "int8" moments they may also be bfloat16, each its own
-    master ([Note: bfloat16 params]): 2 bytes a param for it and 2 or about 2 for its moments.
+    Params are float32 or bfloat16; a bfloat16 param is its own master ([Note: bfloat16 params]):
+    2 bytes for it, and 8, 4 or about 2 for its moments.
 
     Each group's params and state are held in an ``AdamPlan`` (their addresses, checked
     once), so a step costs a C call plus a check of the new gradients. The state tensors
@@ -184,22 +184,29 @@ class CPUAdam(torch.optim.Optimizer):
                 continue
             config = self._cached_config(index, group)
             if self._state_dtype is not StateDtype.FP32:
-                self._step_compressed(params, grads, seeds, config)
+                self._step_per_dtype(params, grads, seeds, config)
                 continue
             plan = self._plans.get(index)
             if plan is None or not plan.matches(params):
+                if any(p.dtype is torch.bfloat16 for p in params):  # no plan: checked as the plan would be
+                    self._step_per_dtype(params, grads, seeds, config)
+                    continue
                 plan = self._plans[index] = self._make_plan(params)
             plan.step(grads, config=config)
         return loss
 
-    def _step_compressed(self, params: list[torch.Tensor], grads: list[torch.Tensor], seeds: Sequence[int],
-                         config: AdamConfig) -> None:
-        """A call over bf16 or int8 moments per param dtype (no plan: the call checks every tensor)."""
+    def _step_per_dtype(self, params: list[torch.Tensor], grads: list[torch.Tensor], seeds: Sequence[int],
+                        config: AdamConfig) -> None:
+        """A call per param dtype, for compressed moments or bfloat16 params (no plan: the call
+        checks every tensor)."""
         self._check_params(params)
         for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                if self._state_dtype is StateDtype.FP32:  # float32 moments, for a bfloat16 param too
+                    state["exp_avg"], state["exp_avg_sq"] = zeros_state_like(p), zeros_state_like(p)
+                    continue
                 state.update((k, t) for k, t in zip(_MOMENT_KEYS, zeros_moments(p.shape, self._state_dtype))
                              if t is not None)  # bf16 moments have no scales
         q8 = self._state_dtype is StateDtype.INT8
@@ -218,15 +225,9 @@ class CPUAdam(torch.optim.Optimizer):
         for p in params:
             if p.grad.is_sparse:
                 raise ConfigError("CPUAdam does not support sparse gradients")
-            if p.dtype is torch.float32 or (p.dtype is torch.bfloat16 and self._state_dtype is not StateDtype.FP32):
-                continue
-            shape = tuple(p.shape)
-            if p.dtype is torch.bfloat16:
-                raise ConfigError(f'CPUAdam steps a bfloat16 param (shape {shape}) as its own master with '
-                                  f'state_dtype "bf16" or "int8" only, not "fp32" ([Note: bfloat16 params] '
-                                  f'in cpu_adam/optimizer.py)')
-            raise ConfigError(f"CPUAdam updates float32 params, or bfloat16 ones with compressed moments; got a "
-                              f"{p.dtype} param of shape {shape} (keep a float32 master copy)")
+            if p.dtype is not torch.float32 and p.dtype is not torch.bfloat16:
+                raise ConfigError(f"CPUAdam updates float32 or bfloat16 params; got a {p.dtype} param of "
+                                  f"shape {tuple(p.shape)} (keep a float32 master copy)")
 
     def _make_plan(self, params: list[torch.Tensor]) -> AdamPlan:
         """Create missing state and the checked address table of ``params``."""
@@ -245,7 +246,7 @@ class CPUAdam(torch.optim.Optimizer):
 _MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 # [Note: bfloat16 params]
-# A bfloat16 param (with bf16 or int8 moments) is its own master: each step widens it to float32
+# A bfloat16 param (with float32, bf16 or int8 moments) is its own master: each step widens it to float32
 # exactly, updates it as a float32 param and stores it back by stochastic rounding, so updates
 # below its last place add up on average instead of being lost, as they are when torch's AdamW
 # steps a bfloat16 param (rounded to nearest). The rounding of an element depends only on the

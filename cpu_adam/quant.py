@@ -60,7 +60,7 @@ class StateDtype(enum.Enum):
         return 2 * numel * per + (2 * 4 * scale_count(numel) if self is StateDtype.INT8 else 0)
 
 
-_CODES = {StateDtype.BF16: lib.OFL_STATE_BF16, StateDtype.INT8: lib.OFL_STATE_Q8}
+_CODES = {StateDtype.FP32: lib.OFL_STATE_F32, StateDtype.BF16: lib.OFL_STATE_BF16, StateDtype.INT8: lib.OFL_STATE_Q8}
 
 
 def scale_count(numel: int) -> int:
@@ -149,7 +149,7 @@ def adam_step_q(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
     ``params`` float32, or bfloat16 masters stored back by stochastic rounding ([Note: a bf16
     master] in ``csrc/ofl_adam.h``): each then needs its ``master_seeds`` entry (a 64-bit
     integer naming the tensor; the rounding of an element depends on it, its index and the
-    step count only)."""
+    step count only), and its moments may also be float32."""
     n = len(params)
     master = params[0].dtype if n else torch.float32
     if master not in (torch.float32, torch.bfloat16):
@@ -157,7 +157,10 @@ def adam_step_q(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], e
     if master is torch.bfloat16 and (master_seeds is None or len(master_seeds) != n):
         raise ConfigError(f"bfloat16 masters need one master_seeds entry each ({n}), "
                           f"got {'none' if master_seeds is None else len(master_seeds)}")
-    sd = {torch.bfloat16: StateDtype.BF16, torch.uint8: StateDtype.INT8}.get(exp_avgs[0].dtype) if n else None
+    moments = {torch.bfloat16: StateDtype.BF16, torch.uint8: StateDtype.INT8}
+    if master is torch.bfloat16:  # a bf16 master also takes float32 moments (a bfloat16 model's)
+        moments[torch.float32] = StateDtype.FP32
+    sd = moments.get(exp_avgs[0].dtype) if n else None
     if n and sd is None:
         raise ConfigError(f"exp_avgs have dtype {exp_avgs[0].dtype}; supported: float32, bfloat16, uint8 (int8 codes)")
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}

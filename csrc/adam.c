@@ -46,7 +46,7 @@ static int32_t resolve_isa(int32_t isa, int32_t *resolved) {
     return 0;
 }
 
-static ofl_adam_kernel_fn adam_kernel_for(int32_t isa) {
+ofl_adam_kernel_fn ofl_adam_kernel_for(int32_t isa) {
 #if OFL_HAVE_X86
     if (isa == OFL_ISA_AVX512_BF16) return ofl_adam_kernel_avx512bf16;
     if (isa == OFL_ISA_AVX512) return ofl_adam_kernel_avx512;
@@ -165,7 +165,7 @@ int32_t ofl_adam_job_init(ofl_adam_job *job, const ofl_adam_config *cfg, const o
     int32_t isa;
     rc = resolve_isa(cfg->isa, &isa);
     if (rc) return rc;
-    *job = (ofl_adam_job){cfg, t, NULL, NULL, adam_kernel_for(isa), 0};
+    *job = (ofl_adam_job){cfg, t, NULL, NULL, ofl_adam_kernel_for(isa), 0};
     if (t->count == 0) return 0;
 
     int64_t *starts = ofl_prefix_starts(t->numel, t->count);

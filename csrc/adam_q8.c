@@ -144,6 +144,7 @@ typedef struct {
     const uint32_t *keys;        /* bf16 master: each tensor's rounding key (ofl_sr_key) */
     ofl_master_kernels master;
     ofl_adamq_m16_kernel_fn m16; /* int8 moments with a bf16 master in one pass, where the ISA has it */
+    ofl_adam_kernel_fn f32;      /* fp32 moments (with a bf16 master only): ofl_adam_step's kernel */
 } adamq_job;
 
 /* A bf16 master's elements [off, off + len) of tensor i, tile by tile: widened into a stack
@@ -164,8 +165,12 @@ static int32_t adamq_bf16_master(adamq_job *job, int64_t i, int64_t off, int64_t
             int64_t next = len - k - OFL_MASTER_TILE < OFL_MASTER_TILE ? len - k - OFL_MASTER_TILE : OFL_MASTER_TILE;
             for (int64_t e = 0; e < next; e += 32) __builtin_prefetch(master + k + OFL_MASTER_TILE + e, 0, 3);
         }
-        bad |= job->kernel(&job->coeffs[i], gd, OFL_DTYPE_NONE, job->sd, tile, g + k * eg, m + k * es, v + k * es,
-                           ms ? ms + b : NULL, vs ? vs + b : NULL, NULL, n);
+        if (job->sd == OFL_STATE_F32)
+            bad |= job->f32(&job->coeffs[i], gd, OFL_DTYPE_NONE, tile, g + k * eg, (float *)(m + k * es),
+                            (float *)(v + k * es), NULL, n);
+        else
+            bad |= job->kernel(&job->coeffs[i], gd, OFL_DTYPE_NONE, job->sd, tile, g + k * eg, m + k * es,
+                               v + k * es, ms ? ms + b : NULL, vs ? vs + b : NULL, NULL, n);
         job->master.store_sr(tile, master + k, n, job->keys[i], (uint32_t)(off + k));
         if (od == OFL_DTYPE_BF16) {
             memcpy(out + k * eo, master + k, (size_t)n * 2);
@@ -181,7 +186,8 @@ static int32_t adamq_bf16_master(adamq_job *job, int64_t i, int64_t off, int64_t
 static void adamq_segment(adamq_job *job, int64_t i, int64_t off, int64_t len) {
     const ofl_adam_qtensors *t = job->t;
     int32_t gd = job->cfg->grad_dtype, od = job->cfg->out_dtype;
-    int64_t es = job->sd == OFL_STATE_Q8 ? 1 : 2, eg = gd == OFL_DTYPE_F32 ? 4 : 2, eo = od == OFL_DTYPE_F32 ? 4 : 2;
+    int64_t es = job->sd == OFL_STATE_Q8 ? 1 : job->sd == OFL_STATE_BF16 ? 2 : 4;
+    int64_t eg = gd == OFL_DTYPE_F32 ? 4 : 2, eo = od == OFL_DTYPE_F32 ? 4 : 2;
     float *ms = NULL, *vs = NULL;
     if (job->sd == OFL_STATE_Q8) {
         ms = (float *)(uintptr_t)t->exp_avg_scale[i] + off / OFL_Q8_BLOCK;
@@ -226,9 +232,9 @@ static void adamq_chunk(void *ctx, int64_t chunk, int64_t lo, int64_t hi) {
     }
 }
 
-static int32_t check_q_args(const ofl_adam_config *cfg, int32_t sd, const ofl_adam_qtensors *t) {
+static int32_t check_q_args(const ofl_adam_config *cfg, int32_t sd, int32_t md, const ofl_adam_qtensors *t) {
     if (!cfg || !t || t->count < 0 || cfg->num_threads < 1) return -EINVAL;
-    if (sd != OFL_STATE_BF16 && sd != OFL_STATE_Q8) return -EINVAL;
+    if (sd != OFL_STATE_BF16 && sd != OFL_STATE_Q8 && !(sd == OFL_STATE_F32 && md == OFL_DTYPE_BF16)) return -EINVAL;
     if (cfg->grad_dtype < OFL_DTYPE_F32 || cfg->grad_dtype > OFL_DTYPE_F16) return -EINVAL;
     if (cfg->out_dtype < OFL_DTYPE_NONE || cfg->out_dtype > OFL_DTYPE_F16) return -EINVAL;
     if (t->count == 0) return 0;
@@ -253,7 +259,7 @@ int32_t ofl_adam_step_q(const ofl_adam_config *cfg, int32_t sd, const ofl_adam_q
 
 int32_t ofl_adam_step_qm(const ofl_adam_config *cfg, int32_t sd, int32_t md, const ofl_adam_qtensors *t,
                          const uint64_t *seeds, int32_t *nonfinite_out) {
-    int32_t rc = check_q_args(cfg, sd, t);
+    int32_t rc = check_q_args(cfg, sd, md, t);
     int32_t isa;
     if (!rc && md != OFL_DTYPE_F32 && md != OFL_DTYPE_BF16) rc = -EINVAL;
     if (!rc && md == OFL_DTYPE_BF16 && t->count > 0) {
@@ -288,7 +294,8 @@ int32_t ofl_adam_step_qm(const ofl_adam_config *cfg, int32_t sd, int32_t md, con
         if (keys) keys[i] = ofl_sr_key(seeds[i], (uint32_t)*step);
     }
     q8_kernels k = kernels_for(isa);
-    adamq_job job = {cfg, t, sd, coeffs, starts, k.adam, 0, md, keys, ofl_master_kernels_for(isa), k.m16};
+    adamq_job job = {cfg, t, sd, coeffs, starts, k.adam, 0, md, keys, ofl_master_kernels_for(isa), k.m16,
+                     ofl_adam_kernel_for(isa)};
     int64_t total = starts[t->count];
     ofl_parallel_chunks(adamq_chunk, &job, total, OFL_Q8_CHUNK_ELEMS, threads_for(cfg->num_threads, total));
     if (nonfinite_out) *nonfinite_out = job.nonfinite;

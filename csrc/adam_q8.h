@@ -54,9 +54,10 @@ typedef struct {
 /* Built once (pthread_once) by ofl_q8_tables_get; read only afterwards. */
 const ofl_q8_tables *ofl_q8_tables_get(void);
 
-/* The constants of a step, and ISA resolution, from adam.c. */
+/* The constants of a step, ISA resolution and the fp32-moment kernel of an ISA, from adam.c. */
 void ofl_adam_coeffs_for(const ofl_adam_config *cfg, float *step, ofl_adam_coeffs *c);
 int32_t ofl_adam_resolve_isa(int32_t isa, int32_t *resolved);
+ofl_adam_kernel_fn ofl_adam_kernel_for(int32_t isa);
 
 /* n elements (n need not be a multiple of the block) starting at a block boundary;
  * ms/vs: the scales of the first block (Q8), else unused. Returns 1 if a scaled

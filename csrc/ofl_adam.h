@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#define OFL_ADAM_ABI_VERSION 6
+#define OFL_ADAM_ABI_VERSION 7
 
 /* Instruction-set paths. AUTO picks the best the CPU and OS support. */
 #define OFL_ISA_AUTO 0
@@ -187,7 +187,7 @@ int32_t ofl_q8_dequantize(const uint8_t *codes, const float *scales, float *x, i
 /* ---- a bfloat16 master (offload.master_dtype "bf16") ----
  * [Note: a bf16 master]
  * With compressed moments the master itself may be stored as bfloat16 (2 bytes a param
- * instead of 4). Each element is widened to fp32 exactly, updated as in ofl_adam_step_q
+ * instead of 4); so may a bfloat16 model's params with float32 moments. Each element is widened to fp32 exactly, updated as in ofl_adam_step_q
  * (the same operations, so the fp32 result is that of an fp32 master holding the widened
  * value), and stored back by stochastic rounding: it rounds away from zero with probability
  * (its 16 dropped bits) / 2^16, so an update smaller than the master's last place is kept
@@ -201,8 +201,10 @@ int32_t ofl_q8_dequantize(const uint8_t *codes, const float *scales, float *x, i
 
 /* ofl_adam_step_q with the master of master_dtype: OFL_DTYPE_F32 (param as float32, seeds
  * unused: ofl_adam_step_q itself) or OFL_DTYPE_BF16 (param as uint16 bfloat16, seeds[count]
- * needed). -EINVAL for another master dtype, a missing seed table, or a tensor of 2^32 or
- * more elements with a bf16 master. */
+ * needed). A bf16 master also takes state_dtype OFL_STATE_F32: float32 moments, updated as by
+ * ofl_adam_step (a bfloat16 model's params with exact moments). -EINVAL for another master
+ * dtype, fp32 moments with an fp32 master (that is ofl_adam_step), a missing seed table, or a
+ * tensor of 2^32 or more elements with a bf16 master. */
 int32_t ofl_adam_step_qm(const ofl_adam_config *config, int32_t state_dtype, int32_t master_dtype,
                          const ofl_adam_qtensors *tensors, const uint64_t *seeds, int32_t *nonfinite_out);
 

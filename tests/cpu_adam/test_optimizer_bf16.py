@@ -26,7 +26,7 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES]
 
 
-@pytest.mark.parametrize("sd", ["bf16", "int8"])
+@pytest.mark.parametrize("sd", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("make", [CPUAdamW, CPUAdam])
 def test_each_step_is_the_fp32_step_of_the_widened_params_then_rounded(sd, make):
     """The oracle: a float32 CPUAdam over the widened params (the same moments, the same float32
@@ -87,18 +87,20 @@ def test_updates_below_the_last_place_add_up_where_torch_loses_them():
     assert abs(ours.detach().float().mean().item() - (1.0 - 1e-4 * steps)) < 1e-3
 
 
-def test_a_group_may_mix_float32_and_bfloat16_params():
-    """The float32 params of a mixed group step exactly as without the bfloat16 ones, and those
-    as in a bfloat16-only optimizer that gives them the same places."""
+@pytest.mark.parametrize("sd", ["fp32", "bf16"])
+def test_a_group_may_mix_float32_and_bfloat16_params(sd):
+    """The float32 params of a mixed group step exactly as without the bfloat16 ones (with float32
+    moments: as through the plan), and those as in a bfloat16-only optimizer that gives them the
+    same places."""
     f32 = _params(torch.float32, seed=3)[:2]
     b16 = _params(torch.bfloat16, seed=4)[2:]
     f32_alone = [torch.nn.Parameter(p.detach().clone()) for p in f32]
     b16_alone = [torch.nn.Parameter(p.detach().clone()) for p in b16]
-    mixed = CPUAdamW(f32 + b16, lr=1e-2, state_dtype="bf16")
-    only_f32 = CPUAdamW(f32_alone, lr=1e-2, state_dtype="bf16")
+    mixed = CPUAdamW(f32 + b16, lr=1e-2, state_dtype=sd)
+    only_f32 = CPUAdamW(f32_alone, lr=1e-2, state_dtype=sd)
     # the bfloat16 params are places 2 and 3 in the mixed optimizer: two params before them here too
     pad = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
-    only_b16 = CPUAdamW(pad + b16_alone, lr=1e-2, state_dtype="bf16")
+    only_b16 = CPUAdamW(pad + b16_alone, lr=1e-2, state_dtype=sd)
     for step in range(1, 4):
         grads = _grads(step)
         for p, q, g in zip(f32 + b16, f32_alone + b16_alone, grads):
@@ -112,7 +114,7 @@ def test_a_group_may_mix_float32_and_bfloat16_params():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("sd", ["bf16", "int8"])
+@pytest.mark.parametrize("sd", ["fp32", "bf16", "int8"])
 def test_a_saved_state_resumes_bit_for_bit(sd, dtype):
     """3 steps, a state dict saved and loaded into a fresh optimizer over copies of the params, 3
     more: the same bits as 6 steps straight. torch's loader alone would round the int8 block
@@ -143,8 +145,9 @@ def test_a_saved_state_resumes_bit_for_bit(sd, dtype):
 
 
 def test_a_float32_state_loads_into_bfloat16_params():
-    """A torch AdamW state over float32 params loads into int8 CPUAdamW over bfloat16 copies: the
-    moments quantized from their float32 values (not from a bfloat16 rounding of them)."""
+    """A torch AdamW state over float32 params loads into CPUAdamW over bfloat16 copies: bf16
+    moments rounded from their float32 values once, float32 ones exactly (torch's loader alone
+    would round them to the params' bfloat16)."""
     gen = torch.Generator().manual_seed(5)
     w = torch.nn.Parameter(torch.randn(1000, generator=gen))
     theirs = torch.optim.AdamW([w], lr=1e-2)
@@ -161,6 +164,10 @@ def test_a_float32_state_loads_into_bfloat16_params():
     b.grad = torch.randn(1000, generator=gen).to(torch.bfloat16)
     ours.step()  # and it steps on from there
     assert float(st["step"]) == 4.0
+    exact = CPUAdamW([torch.nn.Parameter(w.detach().to(torch.bfloat16))], lr=1e-2)  # float32 moments
+    exact.load_state_dict(saved)
+    st = next(iter(exact.state.values()))
+    assert st["exp_avg"].dtype == torch.float32 and torch.equal(st["exp_avg"], saved["state"][0]["exp_avg"])
 
 
 def test_training_a_bfloat16_model_tracks_a_float32_one():
@@ -190,10 +197,6 @@ def test_training_a_bfloat16_model_tracks_a_float32_one():
 
 
 def test_bad_params_name_what_is_wrong():
-    b = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
-    b.grad = torch.zeros(10, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match='state_dtype "bf16" or "int8"'):
-        CPUAdamW([b]).step()  # fp32 moments: no bf16 master in that kernel
     h = torch.nn.Parameter(torch.zeros(10, dtype=torch.float16))
     h.grad = torch.zeros(10, dtype=torch.float16)
     with pytest.raises(ConfigError, match="float16 param of shape"):

@@ -4,15 +4,15 @@ A model held in bfloat16 and stepped by torch.optim.AdamW keeps its moments in b
 rounds every update to nearest, so updates under half a last place are lost (lr 1e-4 at 1.0 is
 1/78th of bf16's spacing there). CPUAdamW over the same params ([Note: bfloat16 params] in
 cpu_adam/optimizer.py) widens each param, steps it in float32 and stores it back by stochastic
-rounding, with bf16 or int8 moments (6 or about 4 bytes a param with the param).
+rounding, with float32, bf16 or int8 moments (10, 6 or about 4 bytes a param with the param).
 
 Two parts, both on the same params, grads and data:
 - quality: a small regression (the test's), 300 steps at lr 1e-3, and the mean move of 8192 params
   at 1.0 under a constant gradient at lr 1e-4 for 100 steps (Adam's move is lr a step): float32
   with torch's AdamW as the reference, then bfloat16 with torch's AdamW (fused) and with ours;
 - speed: one step over N params in T tensors, contenders interleaved in shuffled rounds
-  (``bench_adam.measure``): ours with int8 and with bf16 moments, torch's AdamW fused and foreach
-  over the same bf16 params and bf16 grads.
+  (``bench_adam.measure``): ours with int8, bf16 and float32 moments, torch's AdamW fused and
+  foreach over the same bf16 params and bf16 grads.
 
 Usage: python tools/bench/bench_bf16_params.py [--shapes 1e7x1 1e6x10] [--rounds 20] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
@@ -35,7 +35,8 @@ from offload.omp_wait import quiet_omp_waits  # noqa: E402
 from tools.bench.bench_adam import _pct, _shape, _split, cpu_description, measure  # noqa: E402
 
 # bytes a param of the optimizer's memory: the param and its moments (and int8's block scales)
-STATE_BYTES = {"ours_int8": 2 + 2 + 8 / 256, "ours_bf16": 2 + 4, "torch_fused": 2 + 4, "torch_foreach": 2 + 4}
+STATE_BYTES = {"ours_int8": 2 + 2 + 8 / 256, "ours_bf16": 2 + 4, "ours_fp32": 2 + 8, "torch_fused": 2 + 4,
+               "torch_foreach": 2 + 4}
 
 
 def _optimizers(dtype: torch.dtype, sizes: list[int], make: Callable) -> Callable[[], None]:
@@ -53,6 +54,7 @@ def contenders(n: int, tensors: int) -> dict[str, Callable[[], None]]:
     return {
         "ours_int8": _optimizers(bf16, sizes, lambda ps: CPUAdamW(ps, lr=1e-3, state_dtype="int8")),
         "ours_bf16": _optimizers(bf16, sizes, lambda ps: CPUAdamW(ps, lr=1e-3, state_dtype="bf16")),
+        "ours_fp32": _optimizers(bf16, sizes, lambda ps: CPUAdamW(ps, lr=1e-3)),
         "torch_fused": _optimizers(bf16, sizes, lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
         "torch_foreach": _optimizers(bf16, sizes, lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
     }
@@ -93,6 +95,7 @@ def quality_rows() -> list[str]:
                                                                              state_dtype="int8")),
         "bfloat16, ours bf16": (torch.bfloat16, lambda ps, lr=1e-3: CPUAdamW(ps, lr=lr, weight_decay=0.01,
                                                                              state_dtype="bf16")),
+        "bfloat16, ours fp32 moments": (torch.bfloat16, lambda ps, lr=1e-3: CPUAdamW(ps, lr=lr, weight_decay=0.01)),
     }
     rows = ["", "| run | regression loss, 300 steps | vs float32 | mean move at lr 1e-4, 100 steps (Adam: 0.0100) |",
             "| --- | --- | --- | --- |"]
@@ -113,7 +116,7 @@ def speed_rows(n: int, tensors: int, rounds: int) -> list[str]:
         mps = [n / s / 1e6 for s in secs]
         rows.append(f"| {case} | {name} | {statistics.median(mps):,.0f} ({_pct(mps, 0.1):,.0f}-{_pct(mps, 0.9):,.0f}) "
                     f"| {STATE_BYTES[name]:.2f} | |")
-    for ours in ("ours_int8", "ours_bf16"):
+    for ours in ("ours_int8", "ours_bf16", "ours_fp32"):
         for peer in ("torch_fused", "torch_foreach"):
             ratios = [p / o for o, p in zip(samples[ours], samples[peer])]  # speed: their time over ours
             rows.append(f"| {case} | {ours} / {peer} | | | **{statistics.median(ratios):.2f}x** "
