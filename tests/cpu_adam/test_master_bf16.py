@@ -4,6 +4,8 @@ fused step equal to the fp32-master step of the widened master followed by that 
 updates below the master's last place kept on average, where rounding to nearest loses them."""
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 import torch
@@ -164,3 +166,14 @@ def test_bad_calls_name_what_is_wrong():
     with pytest.raises(ConfigError, match="not bfloat16"):
         adam_step([master.float()], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(n)], [torch.zeros(1)], config=cfg,
                   master_seeds=[1])
+
+
+def test_the_c_entry_takes_fp32_moments_only_with_a_bf16_master():
+    """ofl_adam_step_qm: fp32 moments with an fp32 master are ofl_adam_step's, so -EINVAL here."""
+    from cpu_adam.kernels import config_struct, ffi, lib
+    cfg = config_struct(AdamConfig(**HYPER), 1.0, lib.OFL_DTYPE_F32, lib.OFL_DTYPE_NONE)
+    none = ffi.new("ofl_adam_qtensors *")  # count 0: only the arguments are checked
+    assert lib.ofl_adam_step_qm(cfg, lib.OFL_STATE_F32, lib.OFL_DTYPE_F32, none, ffi.NULL, ffi.NULL) == -errno.EINVAL
+    assert lib.ofl_adam_step_q(cfg, lib.OFL_STATE_F32, none, ffi.NULL) == -errno.EINVAL
+    assert lib.ofl_adam_step_qm(cfg, lib.OFL_STATE_F32, lib.OFL_DTYPE_BF16, none, ffi.NULL, ffi.NULL) == 0
+    assert lib.ofl_adam_step_qm(cfg, 3, lib.OFL_DTYPE_BF16, none, ffi.NULL, ffi.NULL) == -errno.EINVAL
