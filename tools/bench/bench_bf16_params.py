@@ -99,11 +99,11 @@ def quality_rows() -> list[str]:
     }
     rows = ["", "| run | regression loss, 300 steps | vs float32 | mean move at lr 1e-4, 100 steps (Adam: 0.0100) |",
             "| --- | --- | --- | --- |"]
-    ref = None
+    ref = None  # the first run's loss: the float32 model's
     for name, (dtype, make) in runs.items():
         loss = regression_loss(dtype, make)
+        vs = "" if ref is None else f"{(loss / ref - 1) * 100:+.1f}%"
         ref = loss if ref is None else ref
-        vs = "" if loss == ref else f"{(loss / ref - 1) * 100:+.1f}%"
         rows.append(f"| {name} | {loss:.4f} | {vs} | {small_update_move(dtype, make):.4f} |")
     return rows
 
