@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from csrc import ConfigError, StateTornError
+from offload.client_optimizer import read_client_optimizer
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
 from offload.engine import Engine, RankInfo
 from offload.hf_init import InitStep, plan_steps
@@ -231,9 +232,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     if model is None:
         raise ConfigError("initialize() needs model=")
-    if optimizer is not None:
-        raise ConfigError("initialize(optimizer=...) is not supported: name the optimizer in the config's "
-                          "\"optimizer\" section (Adam or AdamW)")
+    client = None
+    if optimizer is not None:  # its kind, defaults and param groups, as the config's section would give them
+        client, client_groups = read_client_optimizer(optimizer)
+        if model_parameters is not None:
+            logger.info("initialize(): model_parameters ignored: the optimizer's param groups are used")
+        model_parameters = client_groups
     source = config if config is not None else config_params
     if source is None and args is not None:
         source = getattr(args, "deepspeed_config", None)
@@ -243,9 +247,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         init_distributed()
     quiet_omp_waits()  # [Note: OpenMP waits]: torch's team sleeps rather than spins on a shared node
     ranks = _ranks()
-    cfg = read_config(source, world_size=ranks.world_size)
+    cfg = read_config(source, world_size=ranks.world_size, client_optimizer=client)
     if cfg.optimizer is None:
-        raise ConfigError("the config has no \"optimizer\" section: name Adam or AdamW there")
+        raise ConfigError("the config has no \"optimizer\" section: name Adam or AdamW there, or pass "
+                          "initialize(optimizer=CPUAdam(...))")
     zero = cfg.zero
     if zero.stage != 3 and zero.offload_param.device != OffloadDevice.NONE:
         raise ConfigError("zero_optimization.offload_param needs zero_optimization.stage 3")

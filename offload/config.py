@@ -52,11 +52,19 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 _logged: set[str] = set()  # "ignored:<dotted>" / "deprecated:<dotted>", each logged once per process
 
 
-def read_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int) -> EngineConfig:
-    """Read a DeepSpeed-style config (a dict, or the path of a JSON file) for ``world_size`` ranks."""
+def read_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int,
+                client_optimizer: Mapping[str, Any] | None = None) -> EngineConfig:
+    """Read a DeepSpeed-style config (a dict, or the path of a JSON file) for ``world_size`` ranks.
+    ``client_optimizer``: the "optimizer" section of an optimizer passed to ``initialize``
+    (``offload.client_optimizer``), read as if the config held it; the config must not name one too."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     raw = _load(config)
+    if client_optimizer is not None:
+        if "optimizer" in raw:
+            raise ConfigError("initialize() got an optimizer and the config names one in its \"optimizer\" section: "
+                              "keep one of the two")
+        raw = {**raw, "optimizer": dict(client_optimizer)}
     top = _Section("", raw, keys.TOP)
     fp16 = _build(Fp16Config, top.child("fp16", keys.FP16), "fp16")
     bf16 = _build(Bf16Config, _bf16_section(top), "bf16")
