@@ -232,7 +232,8 @@ def adam_step(
     and with them, or with float32 moments, ``params`` may be bfloat16 masters rounded
     stochastically (``master_seeds``).
     """
-    if exp_avgs and (exp_avgs[0].dtype in (torch.bfloat16, torch.uint8) or params[0].dtype is torch.bfloat16):
+    compressed = exp_avgs and exp_avgs[0].dtype in (torch.bfloat16, torch.uint8)
+    if compressed or (params and params[0].dtype is torch.bfloat16):  # a bf16 master takes fp32 moments too
         from cpu_adam.quant import adam_step_q  # it imports this module
         return adam_step_q(params, grads, exp_avgs, exp_avg_sqs, steps, config=config, grad_scale=grad_scale,
                            params_out=params_out, exp_avg_scales=exp_avg_scales,

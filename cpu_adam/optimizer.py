@@ -199,16 +199,7 @@ class CPUAdam(torch.optim.Optimizer):
                         config: AdamConfig) -> None:
         """A call per param dtype, for compressed moments or bfloat16 params (no plan: the call
         checks every tensor)."""
-        self._check_params(params)
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                if self._state_dtype is StateDtype.FP32:  # float32 moments, for a bfloat16 param too
-                    state["exp_avg"], state["exp_avg_sq"] = zeros_state_like(p), zeros_state_like(p)
-                    continue
-                state.update((k, t) for k, t in zip(_MOMENT_KEYS, zeros_moments(p.shape, self._state_dtype))
-                             if t is not None)  # bf16 moments have no scales
+        self._make_state(params)
         q8 = self._state_dtype is StateDtype.INT8
         for dtype in (torch.float32, torch.bfloat16):
             mine = [i for i, p in enumerate(params) if p.dtype is dtype]
@@ -229,15 +220,24 @@ class CPUAdam(torch.optim.Optimizer):
                 raise ConfigError(f"CPUAdam updates float32 or bfloat16 params; got a {p.dtype} param of "
                                   f"shape {tuple(p.shape)} (keep a float32 master copy)")
 
-    def _make_plan(self, params: list[torch.Tensor]) -> AdamPlan:
-        """Create missing state and the checked address table of ``params``."""
+    def _make_state(self, params: list[torch.Tensor]) -> None:
+        """Check ``params`` and give each without state its step count and zero moments."""
         self._check_params(params)
         for p in params:
             state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if state:
+                continue
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if self._state_dtype is StateDtype.FP32:  # float32 moments, for a bfloat16 param too
                 state["exp_avg"] = zeros_state_like(p)  # [Note: huge pages for the moments]
                 state["exp_avg_sq"] = zeros_state_like(p)
+            else:  # bf16 moments have no scales: no None entries
+                state.update((k, t) for k, t in zip(_MOMENT_KEYS, zeros_moments(p.shape, self._state_dtype))
+                             if t is not None)
+
+    def _make_plan(self, params: list[torch.Tensor]) -> AdamPlan:
+        """Create missing state and the checked address table of ``params``."""
+        self._make_state(params)
         states = [self.state[p] for p in params]
         return AdamPlan(params, [st["exp_avg"] for st in states],
                         [st["exp_avg_sq"] for st in states], [st["step"] for st in states])
