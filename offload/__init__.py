@@ -2,8 +2,8 @@
 
 ```python
 import offload
-engine, optimizer, loader, lr_scheduler = offload.builder(model=model, config="ds_config.json",
-                                                             training_data=dataset)
+engine, optimizer, loader, lr_scheduler = offload.initialize(model=model, config="ds_config.json",
+                                                                training_data=dataset)
 for batch in loader:
     loss = engine(batch)
     engine.backward(loss)
@@ -21,8 +21,8 @@ from csrc.errors import *  # noqa: F401,F403
 # The engine's names load on first use, so `offload daemon` and `offload status` start without torch.
 _LAZY = {"Engine": "offload.engine", "EngineStats": "offload.engine", "EngineConfig": "offload.config",
          "read_config": "offload.config", "init_distributed": "offload.builder", "add_config_arguments": "offload.builder", "initialize": "offload.builder",
-         "init_context": "offload.meta_init",
-         "load_pretrained": "offload.pretrained", "LoadReport": "offload.pretrained", "register_external_parameter": "offload.zero.external",
+         "init_context": "offload.hf.init_context",
+         "load_pretrained": "offload.hf.load", "LoadReport": "offload.hf.load", "register_external_parameter": "offload.zero.external",
          "unregister_external_parameter": "offload.zero.external"}
 
 __all__ = [name for name in _errors.__all__ if name != "raise_errno"] + sorted(_LAZY)

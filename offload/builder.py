@@ -20,19 +20,19 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from csrc import ConfigError, StateTornError
-from offload.client_optimizer import read_client_optimizer
+from offload.config.client_optimizer import read_client_optimizer
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
 from offload.engine import Engine, RankInfo
-from offload.hf_init import InitStep, plan_steps
-from offload.meta_init import init_fn_of, init_record_of
-from offload.omp_wait import quiet_omp_waits
-from offload.pretrained import pending_load_of
+from offload.hf.model_init import InitStep, plan_steps
+from offload.hf.init_context import init_fn_of, init_record_of
+from offload.runtime.omp_wait import quiet_omp_waits
+from offload.hf.load import pending_load_of
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
-from offload.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session, open_undo,
+from offload.checkpoint.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session, open_undo,
                             roll_back, step_multiplier, undo_exists, undo_slots)
-from offload.schedulers import build_scheduler
-from offload.state_window import grad_dtype, grads_to_nvme, reattached_state_window, state_window, tier_plan
+from offload.config.schedulers import build_scheduler
+from offload.plan.memory import OptimizerPlan, engine_optimizer_plan, flat_layout, sub_group_numel
 from offload.tiers import Tier, open_tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -52,7 +52,6 @@ __all__ = ["add_config_arguments", "init_distributed", "initialize"]
 # an offloaded sub-group is capped at 4 Mi elements (48 MiB): NVMe I/O of one block then
 # overlaps the step of another, and every block fits a daemon segment. DeepSpeed's default
 # sub_group_size (1e9) would otherwise make the whole partition one unpipelined block.
-OFFLOAD_SUB_GROUP_CAP = 1 << 22
 
 
 def add_config_arguments(parser):
@@ -272,7 +271,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             model.to(dtype=dtype)
     device_kind = zero.offload_optimizer.device
     offloaded = device_kind != OffloadDevice.NONE
-    sub_group = min(zero.sub_group_size, OFFLOAD_SUB_GROUP_CAP) if offloaded else zero.sub_group_size
+    sub_group = sub_group_numel(zero.sub_group_size, offloaded=offloaded)
     shard = zero.stage >= 1 and ranks.world_size > 1
     overlap = overlap_wanted(cfg.offload.overlap_step, device_type=ranks.device.type, stage=zero.stage,
                              offloaded=offloaded, delayed=cfg.offload.delayed_update)
@@ -288,11 +287,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
         flat_grads = None  # nor a full gradient buffer: [Note: unit gradients]
     else:
-        layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
-                             for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
-                            world_size=ranks.world_size if shard else 1, rank=ranks.rank if shard else 0,
-                            bucket_numel=min(zero.reduce_bucket_size, sub_group) if overlap else zero.reduce_bucket_size,
-                            sub_group_numel=sub_group)  # overlap: buckets no larger than a sub-group
+        layout = flat_layout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
+                              for gi, g in enumerate(groups) for i, p in enumerate(g["params"])],
+                             stage=zero.stage, reduce_bucket_size=zero.reduce_bucket_size, world_size=ranks.world_size,
+                             rank=ranks.rank, sub=sub_group, overlap=overlap)
         logger.info("rank %d: %s", ranks.rank, layout.describe())
         flat_params = _flatten(model, layout, params, dtype, ranks.device)
         node = _node_buffers(cfg, layout, ranks, shard, params, flat_params)
@@ -302,28 +300,27 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             flat_grads = torch.zeros_like(flat_params)
 
     t0 = time.perf_counter()
-    grads_nvme = stage3 and grads_to_nvme(cfg, layout)  # [Note: gradient tier] in offload.zero.grad_tier
-    window = state_window(cfg, layout, grads_nvme=grads_nvme) if device_kind == OffloadDevice.NVME \
-        else zero.offload_optimizer.buffer_count
-    tier, verdict, payload, commit = _open_tier(cfg, layout, ranks, window, grads_nvme) if offloaded \
-        else (None, FRESH, None, None)
+    plan = engine_optimizer_plan(cfg, layout) if offloaded else None  # [Note: memory plan] in offload.plan.memory
+    window = plan.window if plan is not None else zero.offload_optimizer.buffer_count
+    grads_nvme = plan is not None and plan.grads_nvme  # [Note: gradient tier] in offload.zero.grad_tier
+    tier, verdict, payload, commit = _open_tier(cfg, plan, ranks) if plan is not None else (None, FRESH, None, None)
     logger.info("rank %d: optimizer state in %s", ranks.rank,
                 tier.placement if tier is not None else f"{ranks.device.type} memory (not offloaded)")
     try:
         if tier is not None and tier.daemon and device_kind == OffloadDevice.NVME:
-            window = reattached_state_window(cfg, layout, tier, window, grads_nvme=grads_nvme)
+            window = plan.reattached_window(tier.store)
         if tier is not None and ranks.device.type == "cuda":
             tier.register_with_cuda()  # [Note: one registration per segment] in offload.gpu.registration
         storage = StateStorage(layout, tier=tier.store if tier else None, nvme=device_kind == OffloadDevice.NVME,
                                device=ranks.device, window=window,
                                state_format=StateFormat(cfg.offload.state_dtype, cfg.offload.master_dtype),
                                grad_window=window if grads_nvme else None,
-                               grad_dtype=grad_dtype(cfg))
-        if verdict == FINISH:  # an overlapped step's early sub-groups ([Note: speculative step] in offload.resume)
+                               grad_dtype=torch.bfloat16 if cfg.data_types.grad_accum_dtype == "bf16" else torch.float32)
+        if verdict == FINISH:  # an overlapped step's early sub-groups ([Note: speculative step] in offload.checkpoint.resume)
             storage.keep_written(payload["step_record"][0].get("early", ()))
         if verdict in (RESUME, FINISH, ROLLBACK):
             storage.adopt()
-            if "rollback" in payload:  # undone; a FINISH then finishes it whole ([Note: pending step] in offload.resume)
+            if "rollback" in payload:  # undone; a FINISH then finishes it whole ([Note: pending step] in offload.checkpoint.resume)
                 roll_back(tier.store, storage, payload["rollback"])
                 if verdict == FINISH and payload["step_record"][0]["multiplier"] is not None:
                     commit.begin_recorded_step(payload["step_record"][0])  # a kill while finishing finishes it
@@ -368,7 +365,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                   block_bytes=None if storage.format.fp32 else max(
                                       storage.format.state_bytes(sg) for sg in layout.sub_groups))
             _stop_on_sigterm(engine)
-        if verdict == FINISH:  # [Note: restartable step] in offload.resume
+        if verdict == FINISH:  # [Note: restartable step] in offload.checkpoint.resume
             engine.finish_step(*payload["step_record"])
         if verdict in (RESUME, FINISH, ROLLBACK):
             if parts is not None:
@@ -399,15 +396,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     return engine, facade, loader, scheduler
 
 
-def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: int, grads_nvme: bool):
-    """The tier for the optimizer state, and what a daemon session already holds (offload.resume):
+def _open_tier(cfg: EngineConfig, plan: OptimizerPlan, ranks: RankInfo):
+    """The tier for the optimizer state, and what a daemon session already holds (offload.checkpoint.resume):
     (tier, verdict, committed state, commit region)."""
-    plan = tier_plan(cfg, layout, window=window, grads_nvme=grads_nvme)
-
     def open_() -> Tier:
-        return open_tier(plan, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),
-                         rank=ranks.local_rank, aio=cfg.aio, host_memory_bytes=cfg.offload.host_memory_bytes,
-                         swap_capacity_bytes=cfg.offload.swap_capacity_bytes, checksum=cfg.offload.checksum,
+        return open_tier(plan.tier, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),
+                         rank=ranks.local_rank, aio=cfg.aio, checksum=cfg.offload.checksum,
                          huge_pages=cfg.offload.huge_pages)
 
     tier = open_()
@@ -418,7 +412,7 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
         pending = payload is not None and "pending" in payload
         verdict, said, multiplier = agree(verdict, step, ranks.group, ranks.world_size, pending=pending,
                                           multiplier=step_multiplier(verdict, payload))
-        if pending and verdict == FINISH:  # its peers passed the all-reduce ([Note: pending step] in offload.resume)
+        if pending and verdict == FINISH:  # its peers passed the all-reduce ([Note: pending step] in offload.checkpoint.resume)
             payload = dict(payload, step_record=(dict(payload["pending"], multiplier=multiplier), 0, False))
             if multiplier is not None and "rollback" not in payload:  # (an overlapped step's: once rolled back)
                 commit.record_multiplier(multiplier)  # an ordinary record now: a kill while finishing finishes it
@@ -433,7 +427,7 @@ def _open_tier(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, window: i
         raise StateTornError(
             f"rank {ranks.rank}: the daemon's copy of the training state is torn ({said}): a trainer died inside "
             f"an optimizer step where it cannot be finished (inside a sub-group's Adam pass with no undo log, or in a "
-            f"delayed step: [Note: restartable step] in offload.resume). It was discarded; restart and load the "
+            f"delayed step: [Note: restartable step] in offload.checkpoint.resume). It was discarded; restart and load the "
             f"last checkpoint ({last or 'none was saved by this job since it started'}).")
     if verdict == FRESH and getattr(tier.store, "reattached", False):
         tier.close()  # a session without a commit (a start that died early): begin again

@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 from csrc import ConfigError, DaemonNotRunningError
 from offload.engine_stats import EngineStats
-from offload.host_heap import HeapTrimmer
-from offload.rank_barrier import CLOSE_WAIT_SECONDS, every_rank_reached
+from offload.runtime.host_heap import HeapTrimmer
+from offload.runtime.rank_barrier import CLOSE_WAIT_SECONDS, every_rank_reached
 from offload.precision import LossScaler, clip_coefficient
-from offload.resume import UNKNOWN, CommitRegion, daemon_lost
-from offload.rng import rng_state, set_rng_state
+from offload.checkpoint.resume import UNKNOWN, CommitRegion, daemon_lost
+from offload.checkpoint.rng import rng_state, set_rng_state
 from offload.tiers import Tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -145,7 +145,7 @@ class Engine:
 
     @contextlib.contextmanager
     def _daemon_alive(self):
-        """A daemon that went away mid-training: say what was lost and what to do (offload.resume.daemon_lost)."""
+        """A daemon that went away mid-training: say what was lost and what to do (offload.checkpoint.resume.daemon_lost)."""
         try:
             yield
         except DaemonNotRunningError as exc:
@@ -209,7 +209,7 @@ class Engine:
         if overlap is not None:
             if self.commit is not None:  # the state is written under backward from now on
                 if self.record_steps:
-                    self.commit.begin_speculative_step()  # [Note: speculative step] in offload.resume
+                    self.commit.begin_speculative_step()  # [Note: speculative step] in offload.checkpoint.resume
                 else:
                     self.commit.begin_step()
             overlap.begin(self.scaler.scale, self.world_size)  # [Note: overlapped step]
@@ -313,12 +313,12 @@ class Engine:
         self.step_multiplier = multiplier
         recorded = self.commit is not None and self.record_steps and self.delayed is None
         if self.commit is not None and not recorded:
-            self.commit.begin_step()  # [Note: restartable step] in offload.resume: no record for these
+            self.commit.begin_step()  # [Note: restartable step] in offload.checkpoint.resume: no record for these
         if self.delayed is not None and self.delayed.applies():
             self.delayed.start(multiplier)
         elif self.overlap is not None:
             record = None
-            if recorded:  # [Note: speculative step] in offload.resume
+            if recorded:  # [Note: speculative step] in offload.checkpoint.resume
                 small = self.small_state()
 
                 def record(plan, early):
@@ -346,7 +346,7 @@ class Engine:
 
         self.restore_small_state(record["small"])
         self.step_multiplier = multiplier = record["multiplier"]
-        if multiplier is None:  # a pending step its peers skipped on overflow ([Note: pending step] in offload.resume)
+        if multiplier is None:  # a pending step its peers skipped on overflow ([Note: pending step] in offload.checkpoint.resume)
             self.skipped_steps += 1
             self.adam.step_count = record["step_count"]
         else:
@@ -399,7 +399,7 @@ class Engine:
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> str:
-        from offload.checkpoint import save_checkpoint
+        from offload.checkpoint.dcp import save_checkpoint
 
         state = self.client_state if client_state is None else client_state
         if self.delayed is not None:
@@ -412,8 +412,8 @@ class Engine:
                          exclude_frozen_parameters: bool = False, **kwargs: Any) -> bool:
         """The weights in the compute dtype: sharded safetensors + index + config.json that ``from_pretrained``
         loads (no ``save_filename``; ``max_shard_size_bytes=``), or one state dict file (stage 3: only with
-        stage3_gather_16bit_weights_on_model_save); True if written. See ``offload.model_save``."""
-        from offload.model_save import save_16bit_model
+        stage3_gather_16bit_weights_on_model_save); True if written. See ``offload.hf.save``."""
+        from offload.hf.save import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters,
                                 **kwargs)
@@ -423,7 +423,7 @@ class Engine:
         """DeepSpeed's call: (path, client_state), (None, {}) without a checkpoint. [Note: newest state wins]:
         after a resume from the daemon, a checkpoint no newer than the resumed state is not loaded (the
         return is then the checkpoint's path and the resumed ``client_state``); ``force=True`` loads it anyway."""
-        from offload.checkpoint import checkpoint_step, load_checkpoint, resolve_path
+        from offload.checkpoint.dcp import checkpoint_step, load_checkpoint, resolve_path
 
         path = resolve_path(load_dir, tag)
         if path is not None and self.resumed_step is not None and not force:

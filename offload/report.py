@@ -1,7 +1,7 @@
 """The engine's per-step report to the node daemon: what each optimizer step took, for its metrics.
 
 With the optimizer state in the daemon, ``Engine.step`` calls ``StepReporter.report`` at every
-accumulation boundary, after the commit (``offload.resume``). It sends one JOB_STEP (see
+accumulation boundary, after the commit (``offload.checkpoint.resume``). It sends one JOB_STEP (see
 ``daemon.protocol``) with the step count and, since the last report, the seconds in the step,
 the seconds waiting on tier I/O, the bytes the tier moved each way, the steps skipped, and the
 loss scale. The daemon adds them up per job and rank (``daemon.jobs``). Embedded stores have no
@@ -17,7 +17,7 @@ the steps after the last report of the process that died) and the step time and 
 zero (they belong to the process). A report the daemon refuses (an older daemon without JOB_STEP,
 a figure out of range) is logged once and reporting stops: metrics never stop training. A daemon
 that went away is not a refusal: ``DaemonNotRunningError`` goes up to ``Engine.step``, which says
-what was lost with it (``offload.resume.daemon_lost``).
+what was lost with it (``offload.checkpoint.resume.daemon_lost``).
 """
 from __future__ import annotations
 

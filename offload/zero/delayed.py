@@ -32,7 +32,7 @@ lr 3e-3, ordinary against delayed after 20 / 100 steps, mean loss over steps 271
 curve of the model at hand.
 
 With the daemon, a kill while the background pass runs leaves a torn state (refused, naming the
-last checkpoint), not one a restart finishes ([Note: restartable step] in offload.resume): every
+last checkpoint), not one a restart finishes ([Note: restartable step] in offload.checkpoint.resume): every
 other step the pass reads the spare gradient set, which is this process's memory, not a daemon
 region; and a delayed run resumed from the daemon is not bit-equal to the uninterrupted one even
 between steps (above: the params rebuilt from the masters are one update ahead), so finishing the

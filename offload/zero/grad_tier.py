@@ -21,7 +21,7 @@ extra micro-step) and host memory for ``window`` of them. The clip norm is uncha
 summed as the gradients land ([Note: landing] in offload.zero.optimizer). "auto" chooses NVMe
 for stage 3 with the optimizer on NVMe when the accumulators alone exceed the host budget the
 state window is sized from (``gradients_on_nvme``): through a daemon without
-``offload.host_memory_bytes``, a rank's share of the daemon's pool (``offload.daemon_window``), not
+``offload.host_memory_bytes``, a rank's share of the daemon's pool (``offload.plan.daemon_pool``), not
 this process's free memory; ``offload estimate`` says which applies.
 """
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch
 
 from csrc import ConfigError
 from offload.zero.layout import FlatLayout
-from offload.zero.window import HostWindow, budget_bytes
+from offload.plan.budget import budget_bytes
+from offload.zero.window import HostWindow
 
 logger = logging.getLogger(__name__)
 

@@ -194,7 +194,7 @@ class PartitionedAdam:
                     progress: Any = None, resume: bool = False) -> None:
         """Adam over every sub-group's state but ``skip``'s (NVMe I/O pipelined); the new low-precision
         params go to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model).
-        ``progress`` (``offload.resume.CommitRegion``, with ``skip`` stepped already): told as each Adam pass
+        ``progress`` (``offload.checkpoint.resume.CommitRegion``, with ``skip`` stepped already): told as each Adam pass
         starts and as each sub-group is stepped and marked dirty, each pass logged in ``undo``; with
         ``resume`` the first pass is one a killed process started ([Note: restartable step])."""
         order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
@@ -318,7 +318,7 @@ class PartitionedAdam:
         ms = [exp_avg[a:b] for a, b in cut]
         vs = [exp_avg_sq[a:b] for a, b in cut]
         outs = [self._out(p) for p in pieces]
-        if logged is not None:  # (call, resume): [Note: restartable step] in offload.resume
+        if logged is not None:  # (call, resume): [Note: restartable step] in offload.checkpoint.resume
             steps = [torch.full((1,), float(step_count)) for _ in pieces]
             restored = self.undo.step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs,
                                       call=logged[0], resume=logged[1])

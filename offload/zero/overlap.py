@@ -40,7 +40,7 @@ finished: finishing would need the gradients not yet landed (on the GPU or in th
 buffers, gone with the process) and the real multiplier (the global norm). So the rollback copies
 are daemon regions then (``engine.rollback.<k>``), each recorded once whole, and with nvme the
 pre-step state is NVMe's; after the verdict the step is an ordinary recorded one whose early
-sub-groups count as done ([Note: speculative step] in offload.resume).
+sub-groups count as done ([Note: speculative step] in offload.checkpoint.resume).
 SuperOffload instead undoes a step algebraically (its ``adam_rollback``), which is not exact
 in floating point; a copy is.
 Besides: the params are staged (a copy of the partition in the compute dtype, as the delayed
@@ -72,11 +72,11 @@ import torch
 
 from csrc import ConfigError, QuotaExceededError, TierFullError
 from offload.precision import clip_coefficient
-from offload.resume import MAX_EARLY, ROLLBACK_NAME
+from offload.checkpoint.resume import MAX_EARLY, ROLLBACK_NAME
 from offload.zero.layout import Bucket
 from offload.zero.optimizer import PartitionedAdam, StepPlan
 from offload.zero.states import F32
-from offload.zero.window import window_size
+from offload.plan.budget import window_size
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class OverlappedStep:
                         len(held), len(layout.sub_groups), 3 * F32 * sum(held) / 1e9)
         self._copies: list[torch.Tensor] = []  # rollback copies; the k-th early sub-group of a step uses the k-th
         self.commit = None
-        """The daemon's commit region (``offload.resume.CommitRegion``; the builder sets it): the rollback
+        """The daemon's commit region (``offload.checkpoint.resume.CommitRegion``; the builder sets it): the rollback
         copies are then regions of its store, each recorded once whole ([Note: speculative step])."""
         fmt = adam.storage.format  # a block's elements: 3 x numel fp32, or its bytes (offload.state_dtype)
         self._block_numel = max(fmt.block_numel(sg) for sg in layout.sub_groups)
@@ -294,7 +294,7 @@ class OverlappedStep:
         """The boundary's step (instead of ``PartitionedAdam.step``): keep the early sub-groups if the
         speculation holds, else undo them; step the rest; publish. ``record(plan, early)``: writes the
         step record once the early sub-groups are final, ``progress``: as ``PartitionedAdam.step_states``'s
-        ([Note: speculative step] in offload.resume)."""
+        ([Note: speculative step] in offload.checkpoint.resume)."""
         eager = self._join()
         plan = self.adam.prepare_step()
         spec = self._plan

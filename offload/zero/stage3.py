@@ -9,7 +9,7 @@ them, this rank's shard of each finished unit is written to the shard store and 
 is freed. So the most this process holds at once is the persistent units plus the units of
 one module. A model with real parameters goes the same way, its values copied instead. A
 Hugging Face model built in the context goes by its recorded init instead ([Note: init
-replay] in ``offload.hf_init``): a unit is gathered (zeros) at the first step that writes
+replay] in ``offload.hf.model_init``): a unit is gathered (zeros) at the first step that writes
 one of its params and its shard written after the last.
 Every rank draws the same random numbers in the same order, so the ranks agree, and
 with the same seed the values are those of the model built the plain way.
@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError
-from offload import hf_init
+from offload.hf import model_init
 from offload.config import OffloadDevice, resolve_daemon_socket, resolve_job_id
-from offload.pretrained import PendingLoad, load_buffers, load_into_shards
-from offload.tiers import PAGE, Tier, TierPlan, open_tier
+from offload.hf.load import PendingLoad, load_buffers, load_into_shards
+from offload.plan.memory import flat_layout, plan_params
+from offload.tiers import Tier, open_tier
 from offload.zero.external import rebind
 from offload.zero.layout import FlatLayout, SubGroup
 from offload.zero.params import ParamCoordinator, Stage3Config
@@ -110,29 +111,19 @@ def replace_meta_params(model: torch.nn.Module, dtype: torch.dtype, device: torc
 
 def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, checksum: bool,
                 offload=None) -> Tier | None:
-    """The embedded store for the shards: host memory for all of them (cpu), or (nvme) ``buffer_count``
-    segments each as large as the largest shard, sized from the layout so no unit is too large for it.
-    One segment per shard held: shards of mixed sizes come and go, and a run of free bytes large enough
-    could otherwise be missing though the bytes are there; with fewer shards held than segments, one
-    segment is empty."""
+    """The store for the shards, opened from the memory plan (``offload.plan.memory.plan_params``)."""
     off = zero.offload_param
     if off.device == OffloadDevice.NONE:
         return None
-    sizes = sorted((-(-b.shard_numel * itemsize // PAGE) * PAGE for b in layout.buckets), reverse=True)
-    nvme = off.device == OffloadDevice.NVME
-    window = max(3, off.buffer_count)
-    resident = window * sizes[0] if nvme else sum(sizes)
-    plan = TierPlan(nvme=nvme, region_bytes=tuple(sizes), resident_bytes=resident,
-                    swap_bytes=sum(sizes) if nvme else 0, nvme_path=off.nvme_path,
-                    segment_bytes=sizes[0] if nvme else None)
+    plan = plan_params(layout, itemsize, device=off.device.value, buffer_count=off.buffer_count,
+                       nvme_path=off.nvme_path)
     # With a daemon the shards are a session of their own, "<job>.params": the node's pool and NVMe queue
     # serve both legs. It starts empty every time: a resume rebuilds the shards from the fp32 masters.
     socket = resolve_daemon_socket(offload) if offload is not None else None
     job = f"{resolve_job_id(offload)}.params" if socket else "params"
 
     def open_() -> Tier:
-        return open_tier(plan, daemon_socket=socket, job_id=job, rank=rank, aio=aio, host_memory_bytes=None,
-                         swap_capacity_bytes=None, checksum=checksum,
+        return open_tier(plan, daemon_socket=socket, job_id=job, rank=rank, aio=aio, checksum=checksum,
                          huge_pages=offload.huge_pages if offload is not None else "auto")
 
     tier = open_()
@@ -164,14 +155,14 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
                  init_steps: list | None = None, pretrained: PendingLoad | None = None) -> Stage3Parts:
     """Lay out the units, open the shards' tier (the daemon's when ``offload``, the config's offload
     section, names one), put the params in their partitions, hook the modules. ``init_steps``
-    (``offload.hf_init.plan_steps``): the recorded init to replay instead of ``reset_parameters``;
+    (``offload.hf.model_init.plan_steps``): the recorded init to replay instead of ``reset_parameters``;
     ``pretrained`` (``offload.load_pretrained``): values read into the shards after the init."""
     plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold)
     params = [p for g in groups for p in g]
-    layout = FlatLayout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
-                         for gi, g in enumerate(groups) for i, p in enumerate(g)],
-                        world_size=world_size, rank=rank, bucket_numel=zero.reduce_bucket_size,
-                        sub_group_numel=sub_group_numel, bucket_plan=plan.buckets)
+    layout = flat_layout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
+                          for gi, g in enumerate(groups) for i, p in enumerate(g)],
+                         stage=3, reduce_bucket_size=zero.reduce_bucket_size, world_size=world_size, rank=rank,
+                         sub=sub_group_numel, bucket_plan=plan.buckets)
     _log_partition(plan, rank, zero.stage3_param_persistence_threshold)
     logger.debug("rank %d: stage 3 layout: %s", rank, layout.describe())
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -259,7 +250,7 @@ def _replay_init(model, layout: FlatLayout, shards: ShardStore, coordinator: Par
     """[Note: init replay]: the recorded draws and init steps, each unit gathered from its first write to
     its last. Returns the peak bytes held."""
     unit_of = {names[id(params[i])]: b.index for b in layout.buckets for i in b.slots}
-    hf_init.check_written(steps, set(unit_of) - loaded)
+    model_init.check_written(steps, set(unit_of) - loaded)
     last: dict[int, int] = {}
     for k, step in enumerate(steps):
         for name in _real_writes(step, unit_of):
@@ -267,8 +258,8 @@ def _replay_init(model, layout: FlatLayout, shards: ShardStore, coordinator: Par
     peak = 0
     with torch.no_grad():
         for k, step in enumerate(steps):
-            if isinstance(step, hf_init.Draw):
-                hf_init.replay_draw(step)
+            if isinstance(step, model_init.Draw):
+                model_init.replay_draw(step)
                 continue
             units = sorted({unit_of[n] for n in _real_writes(step, unit_of)})
             for u in units:
@@ -276,7 +267,7 @@ def _replay_init(model, layout: FlatLayout, shards: ShardStore, coordinator: Par
                     coordinator._full[u].untyped_storage().resize_(coordinator._full[u].numel() * shards.itemsize)
                     coordinator._full[u].zero_()
             peak = max(peak, sum(f.untyped_storage().nbytes() for f in coordinator._full))
-            hf_init.replay(step, model)
+            model_init.replay(step, model)
             for u in units:
                 if last[u] == k:
                     _write_shard(coordinator, shards, layout, u)
@@ -285,7 +276,7 @@ def _replay_init(model, layout: FlatLayout, shards: ShardStore, coordinator: Par
 
 def _real_writes(step, unit_of: dict[str, int]) -> list[str]:
     """The trainable params a step writes for good (not through a tied alias; frozen ones are not in units)."""
-    if isinstance(step, hf_init.Draw):
+    if isinstance(step, model_init.Draw):
         return []
     return [n for n in step.writes if n in unit_of and n not in step.scratch]
 

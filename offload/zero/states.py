@@ -142,7 +142,7 @@ class StateStorage:
 
     def keep_written(self, sgs: Iterable[int]) -> None:
         """Before ``adopt`` on a resume: blocks the killed process stepped but had not yet marked dirty (an
-        overlapped step's early sub-groups, [Note: speculative step] in offload.resume) are marked now, so
+        overlapped step's early sub-groups, [Note: speculative step] in offload.checkpoint.resume) are marked now, so
         that their host copies are written back, not dropped for NVMe's."""
         sgs = list(sgs)
         if not self.nvme or not sgs:
@@ -243,7 +243,7 @@ class StateStorage:
     def will_write(self, sg: int) -> None:
         """Before a resident block is written: mark it dirty now, so that whatever becomes of this process
         the daemon writes back the host copy (a restart finishes a pass from it: [Note: restartable step]
-        in offload.resume), never drops it for the copy on NVMe."""
+        in offload.checkpoint.resume), never drops it for the copy on NVMe."""
         if self.nvme and self._placement[sg] == Placement.RESIDENT and sg not in self._marked:
             self.tier.mark_dirty(self._state_name(sg))
             self._marked.add(sg)

@@ -6,33 +6,27 @@ many of the largest item, so a prefetch never finds the pool full ([Note: host w
 ``HostWindow`` is that bookkeeping, shared by ``offload.zero.states`` and
 ``offload.zero.shards``: the store keeps its own placement list (its own enum with the
 members NVME, IN_FLIGHT and RESIDENT) and hands it to the window, which moves items
-between those three. ``window_size`` chooses ``size`` for the optimizer state from the
-host memory budget, with ``buffer_count`` as the floor.
+between those three. ``size`` comes from the memory plan (``offload.plan``).
 """
 from __future__ import annotations
 
 import collections
 import enum
 import logging
-import os
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from csrc import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HostWindow", "budget_bytes", "window_size"]
+__all__ = ["HostWindow"]
 
 # [Note: host window]
 # A prefetch that would exceed the window first waits for the oldest evict; failing that,
 # the store may name an idle resident item to drop (``drop_idle``: stage 3 drops a shard
 # prefetched but not used, which is clean, so its evict writes nothing); failing that, the
 # prefetch is not started (the item's acquire starts it later, or says the window is full).
-
-FREE_SHARE = 2
-"""Without a configured budget the window takes at most 1/FREE_SHARE of the memory the
-machine has available (MemAvailable), split evenly over the ranks on the node."""
 
 
 class HostWindow:
@@ -160,62 +154,3 @@ class HostWindow:
             except Exception as exc:  # closing anyway: say what was lost
                 logger.warning("on close, %s %d: %s", what, i, exc)
         self.evicting.clear()
-
-
-def available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def budget_bytes(host_memory_bytes: int | None) -> tuple[int | None, str]:
-    """The host memory a rank's offloaded state may take, and where that figure came from: the offload
-    section's ``host_memory_bytes``, or 1/FREE_SHARE of the memory available now split over the node's
-    ranks (LOCAL_WORLD_SIZE); None where neither is known."""
-    if host_memory_bytes is not None:
-        return host_memory_bytes, "offload.host_memory_bytes"
-    free = available_bytes()
-    if free is None:
-        return None, "nothing"
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    source = f"1/{FREE_SHARE} of the available memory" + (f" over {ranks} ranks" if ranks > 1 else "")
-    return free // FREE_SHARE // ranks, source
-
-
-def window_size(block_bytes: Sequence[int], *, floor: int, fixed_bytes: int, host_memory_bytes: int | None,
-                what: str, log: bool = True) -> int:
-    """How many of ``block_bytes`` (page-rounded sizes of the items) the window holds.
-
-    The budget is ``host_memory_bytes`` (the offload section's) less ``fixed_bytes`` (what
-    stays resident anyway: the gradient accumulators), or else 1/FREE_SHARE of the memory
-    available now, split over the node's ranks (LOCAL_WORLD_SIZE). As many of the largest
-    blocks as fit in it, never fewer than ``floor`` (DeepSpeed's ``buffer_count``) nor more
-    than there are blocks: a window that holds every block still writes each back after its
-    step and prefetches it while backward runs, but never waits for one evict to make room
-    for the next prefetch. Logged once per call (``log``: the estimate, which asks per row, does not)."""
-    count = len(block_bytes)
-    if count == 0:
-        return floor
-    budget, source = budget_bytes(host_memory_bytes)
-    if budget is None:
-        if log:
-            logger.info("%s window: %d (buffer_count; the free memory could not be read)", what, floor)
-        return floor
-    budget -= fixed_bytes
-    fit, used = 0, 0
-    for b in sorted(block_bytes, reverse=True):
-        if used + b > budget:
-            break
-        used += b
-        fit += 1
-    size = max(floor, fit)
-    if log:
-        logger.info("%s window: %d of %d blocks in host memory (buffer_count %d; budget %.2f GB from %s)",
-                    what, min(size, count), count, floor, max(0, budget) / 1e9, source)
-    return size

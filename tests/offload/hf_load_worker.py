@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from offload import init_context, initialize, load_pretrained
-from offload.host_heap import peak_resident_bytes, reset_peak_resident
+from offload.runtime.host_heap import peak_resident_bytes, reset_peak_resident
 from offload.zero import stage3
 
 

@@ -1,4 +1,4 @@
-"""The per-step commit region and the ranks' verdict (``offload.resume``), at the level of their rules.
+"""The per-step commit region and the ranks' verdict (``offload.checkpoint.resume``), at the level of their rules.
 
 [Note: commit region layout]: between ``begin_step`` and the end of ``commit`` the region must read
 as torn wherever the process dies, and a region nobody committed to is never resumed from. The
@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from offload.builder import initialize
-from offload.resume import FINISH, FRESH, RESUME, ROLLBACK, TORN, UNKNOWN, CommitRegion, agree, inspect_session
+from offload.checkpoint.resume import FINISH, FRESH, RESUME, ROLLBACK, TORN, UNKNOWN, CommitRegion, agree, inspect_session
 from swap import TierStore
 from tests.offload.harness import engine_config, loss_fn, make_batches, param_groups, twin_models
 
@@ -196,7 +196,7 @@ def test_a_kill_while_any_sub_group_is_written_reads_torn_or_rolls_back(mode, st
         engine.close()
     # before the first commit a restart starts fresh (nothing was committed: issue 18); after it, torn (no
     # undo log here), but for a sub-group stepped under backward: that step is rolled back ([Note: speculative
-    # step] in offload.resume)
+    # step] in offload.checkpoint.resume)
     def expected(name, step):
         return FRESH if step == 0 else ROLLBACK if name.startswith("offload-overlap") else TORN
     assert seen and all(verdict == expected(name, step) for verdict, name, step in seen), seen
@@ -227,7 +227,7 @@ def test_a_kill_while_any_sub_group_is_written_reads_torn_or_rolls_back(mode, st
     ([(ROLLBACK, 5, False, UNKNOWN), (RESUME, 6, False, 0.25)], [(TORN, UNKNOWN), (TORN, UNKNOWN)]),
 ])
 def test_a_rank_pending_one_step_behind_finishes_with_its_peers_multiplier(said, expected):
-    """[Note: pending step] in offload.resume."""
+    """[Note: pending step] in offload.checkpoint.resume."""
     assert _agree_on_two_ranks(said, full=True) == expected
 
 

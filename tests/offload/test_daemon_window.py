@@ -1,4 +1,4 @@
-"""The state window through a daemon: sized from the daemon's pool (offload.daemon_window), the
+"""The state window through a daemon: sized from the daemon's pool (offload.plan.daemon_pool), the
 rule against hand-worked cases and packed_quota_bytes, and a real daemon whose pool allows more
 than buffer_count blocks per rank or does not."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from daemon import TierClient, TierClientConfig
 from offload import initialize
-from offload.daemon_window import POOL_SHARE, daemon_window_size, reattached_window
-from offload.resume import COMMIT_BYTES
-from offload.tiers import packed_quota_bytes, plan_bytes
+from offload.plan.daemon_pool import POOL_SHARE, daemon_window_size, reattached_window
+from offload.checkpoint.resume import COMMIT_BYTES
+from offload.plan.tier_plan import packed_quota_bytes, plan_bytes
 from tests.daemon.conftest import STORE, start_daemon
 from tests.offload import ckpt_worker
 from tests.offload.test_daemon_tier import _train
@@ -78,12 +78,12 @@ def test_a_rank_window_grows_with_the_daemon_pool_and_stays_at_buffer_count_with
         config["zero_optimization"]["sub_group_size"] = 64  # ~18 sub-groups, buffer_count 4
         config["offload"] = {"job_id": "window-job"}
         floor = 4
-        with caplog.at_level(logging.INFO, logger="offload.daemon_window"):
+        with caplog.at_level(logging.INFO, logger="offload.plan.memory"):
             engine, _, losses = _train(config, steps=4)
         window, groups = engine.adam.storage.window, len(engine.layout.sub_groups)
         assert groups > floor and window == groups  # 32 MiB of pool for one rank holds every block
         lines = [r.getMessage() for r in caplog.records
-                 if r.name == "offload.daemon_window" and "window" in r.getMessage()]
+                 if r.name == "offload.plan.memory" and "window" in r.getMessage()]
         assert len(lines) == 1 and f"{groups} of {groups} blocks" in lines[0] and "buffer_count 4" in lines[0]
         plan = plan_bytes([sg.numel for sg in engine.layout.sub_groups], window=window, nvme=True, nvme_path=None)
         want = packed_quota_bytes(plan.resident_bytes + COMMIT_BYTES, max(plan.region_bytes), 4 << 20)
@@ -110,7 +110,7 @@ def test_gradient_tier_auto_judges_by_the_daemons_pool_not_this_process_memory(t
     """offload.gradient_tier "auto" through a daemon: the accumulators go to NVMe when they exceed this rank's
     share of the daemon's pool (the budget its window is sized from), however much memory the process sees."""
     from offload.config import read_config
-    from offload.state_window import grads_to_nvme
+    from offload.plan.memory import engine_optimizer_plan
     from offload.zero.layout import FlatLayout
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -123,19 +123,19 @@ def test_gradient_tier_auto_judges_by_the_daemons_pool_not_this_process_memory(t
         cfg = read_config(raw, world_size=1)
         layout = FlatLayout([("w", (6, 1 << 20), 0)], world_size=1, rank=0, bucket_numel=1 << 20,
                             sub_group_numel=1 << 20)  # 24 MiB of fp32 accumulators
-        assert not grads_to_nvme(cfg, layout)  # one rank: 32 MiB of the 64 MiB pool
+        assert not engine_optimizer_plan(cfg, layout).grads_nvme  # one rank: 32 MiB of the 64 MiB pool
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        assert grads_to_nvme(cfg, layout)  # two ranks: 16 MiB each
+        assert engine_optimizer_plan(cfg, layout).grads_nvme  # two ranks: 16 MiB each
         monkeypatch.delenv("LOCAL_WORLD_SIZE")
         bystander = TierClient(TierClientConfig(socket_path=daemon.socket_path, job_id="bystander", rank=0,
                                                 quota_bytes=48 << 20))
         try:
-            assert grads_to_nvme(cfg, layout)  # 16 MiB free
+            assert engine_optimizer_plan(cfg, layout).grads_nvme  # 16 MiB free
         finally:
             bystander.close()
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         bf16 = read_config({**raw, "data_types": {"grad_accum_dtype": "bf16"}}, world_size=1)
-        assert not grads_to_nvme(bf16, layout)  # 12 MiB of bf16 accumulators fit in 16 MiB each
+        assert not engine_optimizer_plan(bf16, layout).grads_nvme  # 12 MiB of bf16 accumulators fit in 16 MiB each
     finally:
         daemon.stop()
 
@@ -147,8 +147,8 @@ def test_the_estimate_sizes_the_window_from_the_daemons_pool_as_the_engine_does(
     holds the pool and the node has two ranks (before, the estimate always took buffer_count)."""
     import dataclasses
 
-    from offload.daemon_window import read_pool
-    from offload.estimate import EstimateInput, estimate, shapes_from_model
+    from offload.plan.daemon_pool import read_pool
+    from offload.plan.estimate import EstimateInput, estimate, shapes_from_model
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -194,13 +194,13 @@ def test_the_estimate_sizes_the_window_from_the_daemons_pool_as_the_engine_does(
 
 def test_the_estimate_judges_gradient_tier_auto_by_the_daemons_pool(tmp_path, monkeypatch, capsys):
     """``offload estimate --config`` through a daemon puts stage 3's accumulators where the engine's "auto"
-    puts them (``grads_to_nvme``, which asks the same daemon), and says which pool it read; with the daemon
+    puts them (``engine_optimizer_plan``, which asks the same daemon), and says which pool it read; with the daemon
     gone, it says so and falls back."""
     import json
 
     from offload.cli import main
     from offload.config import read_config
-    from offload.state_window import grads_to_nvme
+    from offload.plan.memory import engine_optimizer_plan
     from offload.zero.layout import FlatLayout
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -227,15 +227,15 @@ def test_the_estimate_judges_gradient_tier_auto_by_the_daemons_pool(tmp_path, mo
         monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
         cfg = read_config(raw, world_size=1)
         tier, out = estimated(1)
-        assert not grads_to_nvme(cfg, layout) and tier == "host"  # one rank: 32 MiB of the 64 MiB pool
+        assert not engine_optimizer_plan(cfg, layout).grads_nvme and tier == "host"  # one rank: 32 MiB of the 64 MiB pool
         assert f"through the daemon at {daemon.socket_path}: a pool of 0.07 GB (0.07 GB free)" in out
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        assert grads_to_nvme(cfg, layout) and estimated(2)[0] == "nvme"  # two ranks: 16 MiB each
+        assert engine_optimizer_plan(cfg, layout).grads_nvme and estimated(2)[0] == "nvme"  # two ranks: 16 MiB each
         monkeypatch.delenv("LOCAL_WORLD_SIZE")
         bystander = TierClient(TierClientConfig(socket_path=daemon.socket_path, job_id="bystander", rank=0,
                                                 quota_bytes=48 << 20))
         try:
-            assert grads_to_nvme(cfg, layout) and estimated(1)[0] == "nvme"  # 16 MiB free
+            assert engine_optimizer_plan(cfg, layout).grads_nvme and estimated(1)[0] == "nvme"  # 16 MiB free
         finally:
             bystander.close()
     finally:

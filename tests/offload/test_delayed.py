@@ -211,7 +211,7 @@ def test_off_by_default():
 
 
 def test_demo_flag_turns_it_on():
-    from offload.demo import DemoConfig, ds_config
+    from offload.cli.demo import DemoConfig, ds_config
 
     assert "offload" not in ds_config(DemoConfig(offload_device="cpu"), None)
     ds = ds_config(DemoConfig(offload_device="cpu", delayed_update_warmup_steps=7), None)

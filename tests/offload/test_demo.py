@@ -10,7 +10,7 @@ from rich.console import Console
 
 from csrc.errors import ConfigError
 from offload import cli
-from offload.demo import DemoConfig, ds_config, run_demo
+from offload.cli.demo import DemoConfig, ds_config, run_demo
 
 TINY = dict(steps=40, micro_batch=8, block_size=32, n_layer=1, n_head=2, n_embd=32, lr=1e-2, warmup_steps=5,
             val_windows=16, show_progress=False)

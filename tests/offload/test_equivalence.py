@@ -35,9 +35,9 @@ OPTIMIZERS = {
 @pytest.fixture(autouse=True)
 def window_at_buffer_count(monkeypatch):
     """The NVMe window at its floor (buffer_count), as where the free memory cannot be read: the
-    engine otherwise sizes it from the memory available (offload.zero.window.window_size), which
+    engine otherwise sizes it from the memory available (offload.plan.budget.window_size), which
     holds this small model's whole state, and the runs would not evict and fetch blocks in the step."""
-    monkeypatch.setattr("offload.zero.window.available_bytes", lambda: None)
+    monkeypatch.setattr("offload.plan.budget.available_bytes", lambda: None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from offload.cli import main
-from offload.estimate import EstimateInput, estimate, gpt_shapes, shapes_from_count, zero_formula_bytes
+from offload.plan.estimate import EstimateInput, estimate, gpt_shapes, shapes_from_count, zero_formula_bytes
 from tests import child_pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -215,16 +215,20 @@ def test_no_repeated_log_lines(caplog):
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_the_daemon_quota_holds_the_state_blocks_in_every_state_dtype(state_dtype):
-    """With offload_optimizer cpu the state blocks are in the daemon session, whatever their dtype, and with
-    compressed ones the undo copy of the largest block ([Note: block undo]): host memory only with a daemon."""
-    from offload.estimate import SUB_GROUP_CAP, UNDO_COPY_PART, state_block_bytes
-    from offload.estimate_fit import daemon_sizes
+    """With offload_optimizer cpu the state blocks are in the daemon session, whatever their dtype, beside its
+    commit region and undo log, and with compressed ones the undo copy of the largest block ([Note: block
+    undo]): host memory only with a daemon."""
+    from offload.plan.estimate import state_block_bytes
+    from offload.plan.fit import daemon_sizes
+    from offload.plan.memory import COMMIT_PART, OFFLOAD_SUB_GROUP_CAP, UNDO_COPY_PART
 
     inp = EstimateInput(shapes=shapes_from_count(50_000_000), compute_bytes=4, state_dtype=state_dtype)
     row = estimate(inp).row(stage=2, optimizer="cpu")
     states = sum(n for what, where, n in row.parts if what.startswith("fp32 master + moments"))
-    copy = 0 if state_dtype == "fp32" else state_block_bytes(SUB_GROUP_CAP, state_dtype)
+    copy = 0 if state_dtype == "fp32" else state_block_bytes(OFFLOAD_SUB_GROUP_CAP, state_dtype)
     assert states > 0 and daemon_sizes(row, 1)[0] > states + copy
     with_daemon = estimate(dataclasses.replace(inp, daemon=True)).row(stage=2, optimizer="cpu")
-    assert with_daemon.host_bytes - row.host_bytes == sum(n for what, _, n in with_daemon.parts if what == UNDO_COPY_PART)
-    assert (with_daemon.host_bytes > row.host_bytes) == (state_dtype != "fp32")
+    session = {what: n for what, _, n in with_daemon.parts if what in (COMMIT_PART, UNDO_COPY_PART)}
+    assert with_daemon.host_bytes - row.host_bytes == sum(session.values()) > 0
+    assert (UNDO_COPY_PART in session) == (state_dtype != "fp32")
+    assert session.get(UNDO_COPY_PART, 0) >= copy

@@ -103,7 +103,7 @@ def _layout(tmp_path):
 def test_auto_chooses_by_the_host_budget(tmp_path, monkeypatch):
     """Without offload.host_memory_bytes the budget is half the memory available: made smaller than the
     accumulators here, "auto" puts them on NVMe; left as it is, in host memory. The same training."""
-    from offload.zero import window
+    from offload.plan import budget as window
 
     grad_bytes = 4 * sum(sg.numel for sg in _layout(tmp_path))
     (tmp_path / "small").mkdir()
@@ -143,7 +143,8 @@ def test_the_estimate_moves_the_accumulators_to_nvme_and_says_so():
     """A 2.36B GPT at stage 3, everything on NVMe, an 8 GiB host budget: "host" keeps 4 bytes per parameter
     resident (more than the budget), "nvme" moves them to the swap and into the window, which stays within
     the budget, and "auto" picks nvme (they exceed the budget)."""
-    from offload.estimate import GRADS_ON_NVME_PART, EstimateInput, estimate, gpt_shapes
+    from offload.plan.estimate import EstimateInput, estimate, gpt_shapes
+    from offload.plan.memory import GRADS_ON_NVME_PART
 
     shapes = gpt_shapes(vocab_size=69, n_layer=30, n_embd=2560, seq=32, batch=2, tied_head=True)
     rows = {}
@@ -167,14 +168,14 @@ def test_the_pool_never_fragments_between_blocks_and_accumulators(tmp_path):
     Freed in this order, a first-fit pool of the same bytes would hold 24 KiB free in no run long enough
     for the third block; with one slot a region every allocation finds room while at most 2 x window
     regions are held."""
-    from offload.config_sections import AioConfig
-    from offload.tiers import open_tier, plan_bytes
+    from offload.config.sections import AioConfig
+    from offload.plan.tier_plan import plan_bytes
+    from offload.tiers import open_tier
 
     plan = plan_bytes([4096] * 4, window=2, nvme=True, nvme_path=str(tmp_path), state_bytes=[24 << 10] * 4,
                       grads_nvme=True)
     assert plan.slot_bytes == 24 << 10 and plan.resident_bytes == 4 * (24 << 10)
-    tier = open_tier(plan, daemon_socket=None, job_id="t", rank=0, aio=AioConfig(), host_memory_bytes=None,
-                     swap_capacity_bytes=None, checksum=False)
+    tier = open_tier(plan, daemon_socket=None, job_id="t", rank=0, aio=AioConfig(), checksum=False)
     store = tier.store
     try:
         sizes = {"s1": 24 << 10, "s2": 24 << 10, "g1": 16 << 10, "g2": 16 << 10, "g3": 16 << 10, "s3": 24 << 10}
@@ -238,7 +239,7 @@ def test_the_estimate_counts_bf16_accumulators_at_two_bytes(tier, capsys):
     """10 Mi elements at stage 3, optimizer on NVMe: the accumulators' part is 2 bytes an element, in host
     memory or on NVMe as the gradient tier puts them; the command line takes the dtype too."""
     from offload.cli import main
-    from offload.estimate import EstimateInput, estimate, shapes_from_count
+    from offload.plan.estimate import EstimateInput, estimate, shapes_from_count
 
     n, mi = 10 << 20, 1 << 20
     rows = {d: estimate(EstimateInput(shapes=shapes_from_count(n, largest_layer=mi), compute_bytes=2,

@@ -55,8 +55,8 @@ def test_loads_into_stage3_shards_and_trains_as_torch(tmp_path, kind, sharded, d
 
 def test_two_rank_pieces_cover_each_tensor(tmp_path):
     """Each rank reads only its piece of every unit: the two ranks' shards put together are the checkpoint."""
-    from offload.hf_names import Source
-    from offload.pretrained import SafetensorsCheckpoint, PendingLoad, load_into_shards
+    from offload.hf.names import Source
+    from offload.hf.load import SafetensorsCheckpoint, PendingLoad, load_into_shards
     from offload.zero.layout import FlatLayout
 
     src = _saved("llama", tmp_path / "ckpt", True)

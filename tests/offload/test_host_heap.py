@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from offload import host_heap
-from offload.host_heap import HeapTrimmer, release_free_heap
+from offload.runtime import host_heap
+from offload.runtime.host_heap import HeapTrimmer, release_free_heap
 from tests import child_pythonpath
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,5 +1,6 @@
 """The package's modules import one way: no two modules import each other, directly or round a
-longer circle (an import inside a function counts: it is the same dependency, only later)."""
+longer circle (an import inside a function counts: it is the same dependency, only later). So do the
+scripts in tools/bench among themselves."""
 from __future__ import annotations
 
 import ast
@@ -8,6 +9,7 @@ import pathlib
 import offload
 
 ROOT = pathlib.Path(offload.__file__).parent
+BENCH = ROOT.parent / "tools" / "bench"
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -39,6 +41,15 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(path, names) - {"offload"} for name, path in paths.items()}
 
 
+def _bench_graph() -> dict[str, set[str]]:
+    """tools/bench's scripts by file stem: they put tools/bench on sys.path and import each other as
+    top-level modules (``tools.bench.x``, imported from the project root, is the same script x)."""
+    stems = {path.stem for path in BENCH.glob("*.py")}
+    names = stems | {f"tools.bench.{stem}" for stem in stems}
+    return {path.stem: {name.removeprefix("tools.bench.") for name in _imports(path, names)} - {path.stem}
+            for path in BENCH.glob("*.py")}
+
+
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1 on the path, 2 done
     path: list[str] = []
@@ -63,10 +74,22 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_imports_inside_functions():
     graph = _graph()
-    assert "offload.checkpoint" in graph["offload.engine"]  # imported inside save_checkpoint
-    assert "offload.demo" in graph["offload.cli"]
+    assert "offload.checkpoint.dcp" in graph["offload.engine"]  # imported inside save_checkpoint
+    assert "offload.cli.demo" in graph["offload.cli.main"]
 
 
 def test_no_import_circles():
     cycle = _cycle(_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_bench_graph_sees_the_benches_imports():
+    graph = _bench_graph()
+    assert "step_common" in graph["bench_step"]
+    assert "step_stage3" in graph["bench_step"]  # imported inside main
+    assert "bench_adam" in graph["bench_bf16_params"]  # as tools.bench.bench_adam
+
+
+def test_no_import_circles_among_the_benches():
+    cycle = _cycle(_bench_graph())
+    assert cycle is None, "import circle in tools/bench: " + " -> ".join(cycle)

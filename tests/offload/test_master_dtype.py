@@ -158,7 +158,7 @@ def test_checkpoints_move_between_master_dtypes(tmp_path, saved, loaded):
 
 @pytest.mark.parametrize("state_dtype,per", [("bf16", 6.0), ("int8", 4.0 + 8 / 256)])
 def test_estimate_follows_the_state_bytes(state_dtype, per):
-    from offload.estimate import EstimateInput, estimate, shapes_from_count
+    from offload.plan.estimate import EstimateInput, estimate, shapes_from_count
 
     n, mi = 10 << 20, 1 << 20
     row = estimate(EstimateInput(shapes=shapes_from_count(n, largest_layer=mi), compute_bytes=4,

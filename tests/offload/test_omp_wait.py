@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from csrc import ConfigError
-from offload.omp_wait import ContentionSwitch, WaitWatchConfig, helper_team_size, loaded_libgomp
+from offload.runtime.omp_wait import ContentionSwitch, WaitWatchConfig, helper_team_size, loaded_libgomp
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = r"""
 import sys, time, torch
 from offload import initialize
-from offload.omp_wait import quiet_omp_waits
+from offload.runtime.omp_wait import quiet_omp_waits
 a = torch.randn(1 << 20)
 a.mul_(2)  # torch's team exists
 if sys.argv[1] == "engine":
@@ -73,7 +73,7 @@ def test_a_users_own_wait_policy_is_left_alone(env):
 
 WATCH = r"""
 import os, subprocess, sys, time, torch
-from offload.omp_wait import helper_active, quiet_omp_waits
+from offload.runtime.omp_wait import helper_active, quiet_omp_waits
 a = torch.randn(1 << 20)
 a.mul_(2)
 quiet_omp_waits()

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def window_at_buffer_count(monkeypatch):
     """The NVMe window at buffer_count (2), as in test_equivalence: blocks are evicted and fetched
     within the step, and at most one is stepped early."""
-    monkeypatch.setattr("offload.zero.window.available_bytes", lambda: None)
+    monkeypatch.setattr("offload.plan.budget.available_bytes", lambda: None)
 
 
 def _run(overlap, *, stage=0, device="cpu", tmp_path=None, gas=1, clip=0.0, batches=None, hook=None, **top):
@@ -224,7 +224,7 @@ def test_rollback_copies_are_bounded_by_the_memory_available(monkeypatch):
     """Room for three sub-groups' copies in the window's share (1/2) of what is available: at most three
     sub-groups are stepped early in a step, and three buffers are all the copies ever held."""
     block = 3 * 4 * 512  # bytes of one sub-group's state (SUB_GROUP_NUMEL elements)
-    monkeypatch.setattr("offload.zero.window.available_bytes", lambda: 2 * 3 * block)
+    monkeypatch.setattr("offload.plan.budget.available_bytes", lambda: 2 * 3 * block)
     early_per_step, seen = [], {}
 
     def inspect(engine, step):

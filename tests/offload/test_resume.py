@@ -90,7 +90,7 @@ def test_kill_inside_the_step_resumes_exactly(tmp_path, daemon, device, overlap)
     """With offload.overlap_step the first sub-group is stepped under the boundary's backward, which the
     worker holds open: the kill lands there, and the restart undoes the step (cpu: from the rollback copy
     in the daemon's memory; nvme: NVMe's block from before it) and resumes at the step before
-    ([Note: speculative step] in offload.resume). Without it (nvme) the kill lands after the first
+    ([Note: speculative step] in offload.checkpoint.resume). Without it (nvme) the kill lands after the first
     sub-group's Adam pass, before its release: the restart finishes the step (issue 18)."""
     ref = tmp_path / "ref"
     ref.mkdir()

@@ -124,7 +124,7 @@ def test_int8_blocks_hold_codes_and_scales_the_kernel_reads(tmp_path):
 def test_estimate_follows_the_state_bytes(state_dtype, per):
     """10 Mi elements, sub-groups of 4, 4 and 2 Mi (whole pages and 256-blocks): the state blocks on
     NVMe are ``per`` bytes an element (master 4 + moments), the host holds the fp32 grads and them all."""
-    from offload.estimate import EstimateInput, estimate, shapes_from_count
+    from offload.plan.estimate import EstimateInput, estimate, shapes_from_count
 
     n, mi = 10 << 20, 1 << 20
     row = estimate(EstimateInput(shapes=shapes_from_count(n, largest_layer=mi), compute_bytes=4,

@@ -1,9 +1,9 @@
-"""The commit region's step record ([Note: restartable step] in offload.resume): which verdict a
+"""The commit region's step record ([Note: restartable step] in offload.checkpoint.resume): which verdict a
 restart reads from each moment of a step, over a plain in-memory store (the region is the unit)."""
 from __future__ import annotations
 
 from csrc import ConfigError
-from offload.resume import FINISH, FRESH, RESUME, ROLLBACK, TORN, UNDO_NAME, CommitRegion, inspect_session
+from offload.checkpoint.resume import FINISH, FRESH, RESUME, ROLLBACK, TORN, UNDO_NAME, CommitRegion, inspect_session
 
 
 class _Store:
@@ -107,13 +107,11 @@ def test_an_overlapped_step_rolls_back_under_backward_and_finishes_after_its_ver
 def test_a_session_with_compressed_states_holds_room_for_the_undo_copy_of_its_largest_block():
     """[Note: block undo]: the fixed part of a daemon session grows by the largest compressed block (page-rounded),
     and not at all with fp32 states."""
-    from offload.resume import session_fixed_bytes
-    from offload.tiers import plan_bytes
+    from offload.plan.memory import session_fixed_bytes
+    from offload.plan.tier_plan import plan_bytes
 
     numels = [1000, 3000, 2000]
-    fp32 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=False, nvme_path=None))
-    assert session_fixed_bytes(plan_bytes(numels, window=2, nvme=False, nvme_path=None,
-                                          state_bytes=[12 * n for n in numels])) == fp32
+    fp32 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=False, nvme_path=None), compressed=False)
     int8 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=True, nvme_path="/x",
-                                          state_bytes=[6 * n + 100 for n in numels]))
+                                          state_bytes=[6 * n + 100 for n in numels]), compressed=True)
     assert int8 - fp32 == 6 * 4096  # the largest block, 18100 bytes (20480 as the plan rounds it), and the word

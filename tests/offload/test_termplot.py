@@ -2,7 +2,7 @@
 import pytest
 
 from csrc.errors import ConfigError
-from offload.termplot import bucket_means, plot_lines
+from offload.cli.termplot import bucket_means, plot_lines
 
 
 def test_bucket_means():

@@ -9,9 +9,10 @@ import logging
 import pytest
 import torch
 
-from offload.tiers import plan_bytes
-from offload.zero import window as window_mod
-from offload.zero.window import HostWindow, window_size
+from offload.plan.tier_plan import plan_bytes
+from offload.plan import budget as window_mod
+from offload.plan.budget import window_size
+from offload.zero.window import HostWindow
 from tests.offload.harness import (
     BUFFER_COUNT, assert_losses_close, engine_config, make_batches, overflowing, run_engine, run_torch, twin_models,
 )
@@ -36,7 +37,7 @@ def test_budget_without_a_setting_is_a_share_of_the_available_memory(monkeypatch
     blocks = [MIB] * 100
     monkeypatch.setattr(window_mod, "available_bytes", lambda: 40 * MIB)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with caplog.at_level(logging.INFO, logger="offload.zero.window"):
+    with caplog.at_level(logging.INFO, logger="offload.plan.budget"):
         got = window_size(blocks, floor=4, fixed_bytes=2 * MIB, host_memory_bytes=None, what="optimizer state")
     assert got == 40 // window_mod.FREE_SHARE - 2
     lines = [r.getMessage() for r in caplog.records]

@@ -36,7 +36,7 @@ arrays (16 B a param) exceed the last-level cache. The load average (1 minute) a
 end of each case is in the summary: other work on the machine moves every figure.
 
 torch's OpenMP workers wait in the bench as they do in a process that called offload.initialize
-([Note: OpenMP waits] in offload.omp_wait), for torch's steps and ours alike: --omp-waits auto (the default)
+([Note: OpenMP waits] in offload.runtime.omp_wait), for torch's steps and ours alike: --omp-waits auto (the default)
 spins as libgomp does until the CPUs are contended, then briefly; sleep always briefly (cheaper for our pool
 after a torch op, dearer for torch's small ops); spin never changes libgomp's default.
 
@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cpu_adam import AdamConfig, CPUAdam, adam_step, default_num_threads, resolve_isa  # noqa: E402
 from cpu_adam.kernels import stream_inplace  # noqa: E402
 from cpu_adam.state_memory import zeros_state_like  # noqa: E402
-from offload.omp_wait import quiet_omp_waits  # noqa: E402
+from offload.runtime.omp_wait import quiet_omp_waits  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, WD, SCALE = 1e-4, 0.01, 1.0 / 1024.0

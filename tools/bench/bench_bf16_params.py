@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from cpu_adam import CPUAdamW, default_num_threads  # noqa: E402
-from offload.omp_wait import quiet_omp_waits  # noqa: E402
+from offload.runtime.omp_wait import quiet_omp_waits  # noqa: E402
 from tools.bench.bench_adam import _pct, _shape, _split, cpu_description, measure  # noqa: E402
 
 # bytes a param of the optimizer's memory: the param and its moments (and int8's block scales)

@@ -153,7 +153,7 @@ def run(args) -> dict:
 
 
 def report(result: dict) -> str:
-    from offload.estimate import EstimateInput, estimate, gpt_shapes
+    from offload.plan.estimate import EstimateInput, estimate, gpt_shapes
 
     g = result["gpt"]
     shapes = gpt_shapes(vocab_size=g["vocab_size"], n_layer=g["n_layer"], n_embd=g["n_embd"], seq=g["seq"],

@@ -21,7 +21,7 @@ import io  # noqa: E402
 
 from rich.console import Console  # noqa: E402
 
-from offload.demo import DemoConfig, run_demo  # noqa: E402
+from offload.cli.demo import DemoConfig, run_demo  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 MIB = 1 << 20
 
-from offload.host_heap import peak_resident_bytes, reset_peak_resident, resident_bytes  # noqa: E402
+from offload.runtime.host_heap import peak_resident_bytes, reset_peak_resident, resident_bytes  # noqa: E402
 
 
 def _model_config(a):
@@ -64,7 +64,7 @@ def phase_save(a) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
-    from offload.safetensors_out import ShardedWriter, model_config_json, write_config
+    from offload.hf.safetensors_out import ShardedWriter, model_config_json, write_config
 
     t0 = time.perf_counter()
     with torch.device("meta"):
@@ -91,7 +91,7 @@ def phase_engine(a) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from offload import init_context, initialize, load_pretrained
-    from offload.host_heap import release_free_heap
+    from offload.runtime.host_heap import release_free_heap
     from offload.zero import stage3
 
     torch.set_num_threads(os.cpu_count() or 1)

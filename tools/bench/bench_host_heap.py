@@ -1,5 +1,5 @@
 """Host memory over a long run: resident memory per step of the engine with the heap trim
-([Note: host heap creep] in offload/host_heap.py), without it, with glibc's mmap threshold fixed
+([Note: host heap creep] in offload/runtime/host_heap.py), without it, with glibc's mmap threshold fixed
 instead, and of plain torch (the peer), each in its own process, in the same run.
 
     .venv/bin/python tools/bench/bench_host_heap.py [--steps 60] [--rounds 3] [--dim 1536] [--layers 1]
@@ -34,7 +34,7 @@ MIB = 1 << 20
 def _worker(contender: str, steps: int, dim: int, layers: int) -> dict:
     import torch
 
-    from offload import host_heap, initialize
+    from offload.runtime import host_heap, initialize
     from offload.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)

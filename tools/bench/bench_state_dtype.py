@@ -1,6 +1,6 @@
 """Quality of compressed Adam states: a GPT trained with offload.state_dtype fp32, bf16, int8 (and a bf16 master).
 
-Each run is ``offload demo``'s model and data (offload.demo.run_demo: the char-level GPT on the
+Each run is ``offload demo``'s model and data (offload.cli.demo.run_demo: the char-level GPT on the
 shipped corpus, AdamW with warm-up and clipping, 300 steps by default) with the optimizer state
 offloaded to the tier (``--device cpu`` or nvme), the same seed for all; only
 ``offload.state_dtype`` differs. Reported: the final held-out loss of each and its ratio to
@@ -32,8 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from rich.console import Console  # noqa: E402
 
-from offload.demo import DemoConfig, run_demo  # noqa: E402
-from offload.termplot import plot_lines  # noqa: E402
+from offload.cli.demo import DemoConfig, run_demo  # noqa: E402
+from offload.cli.termplot import plot_lines  # noqa: E402
 
 TARGETS = {"bf16": 0.005, "int8": 0.01}
 MODELS = {

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                          "plain torch too (our venv only). Default: as the contender leaves them (ours: auto)")
     args = ap.parse_args(argv)
     if args.omp_waits is not None:
-        from offload.omp_wait import quiet_omp_waits
+        from offload.runtime.omp_wait import quiet_omp_waits
         quiet_omp_waits(mode=args.omp_waits)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import LR, WEIGHT_DECAY, _load, publish  # noqa: E402
+from step_common import LR, WEIGHT_DECAY, _load, publish  # noqa: E402
 from step_gpu_plan import CONTENDERS, Contender, fits, gpu_busy_seconds, largest_layers, model_flops_per_step  # noqa: E402
 
 from offload.builder import initialize  # noqa: E402

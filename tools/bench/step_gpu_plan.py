@@ -110,7 +110,7 @@ def gpu_busy_seconds(prof: Any) -> float | None:
 
 def _estimate_row(c: Contender, *, n_layer: int, n_embd: int, n_head: int, vocab: int, seq: int, batch: int,
                   host_budget_bytes: int | None, baseline_bytes: int):
-    from offload.estimate import EstimateInput, estimate, gpt_shapes
+    from offload.plan.estimate import EstimateInput, estimate, gpt_shapes
 
     shapes = gpt_shapes(vocab_size=vocab, n_layer=n_layer, n_embd=n_embd, seq=seq, batch=batch, n_head=n_head)
     inp = EstimateInput(shapes=shapes, compute_bytes=2, sub_group_size=100_000_000,

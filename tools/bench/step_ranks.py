@@ -42,7 +42,7 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 from bench_adam import cpu_description as _cpu_model  # noqa: E402
-from bench_step import GPT, _fmt, _load, engine_config, publish  # noqa: E402
+from step_common import GPT, _fmt, _load, engine_config, publish  # noqa: E402
 
 JOB_ID = "bench-step-ranks"
 MODEL_DEFAULTS = {"batch": 2, "seq": 128, "vocab": 16384, "dim": 768, "layers": 12, "heads": 12}
@@ -132,7 +132,7 @@ def _rank_main(args: argparse.Namespace) -> int:
 def _buffer_count_budget(model: torch.nn.Module, buffer_count: int, world: int, rank: int) -> int:
     """offload.host_memory_bytes that holds this rank's grads and ``buffer_count`` state blocks, not one more."""
     from offload.builder import OFFLOAD_SUB_GROUP_CAP
-    from offload.tiers import plan_bytes
+    from offload.plan.tier_plan import plan_bytes
     from offload.zero.layout import FlatLayout
 
     layout = FlatLayout([(n, tuple(p.shape), 0) for n, p in model.named_parameters()], world_size=world, rank=rank,
@@ -175,8 +175,8 @@ def ranks_row(*, ranks: int, rounds: int, steps_per_round: int, batch: int, seq:
               layers: int, heads: int, buffer_count: int, nocrc: bool, nvme_path: str | None,
               inflight: int = 0, window: str = "default") -> list[str]:
     """Run the ranks row and return its markdown lines."""
-    from offload.daemon_window import POOL_SHARE
-    from offload.tiers import packed_quota_bytes
+    from offload.plan.daemon_pool import POOL_SHARE
+    from offload.plan.tier_plan import packed_quota_bytes
 
     load_before = _load()
     workdir = tempfile.mkdtemp(prefix="bench-ranks-", dir=nvme_path)

@@ -4,7 +4,7 @@
 (``step_ranks._start_daemon``) and builds the ~100M GPT of bench_step four times (same seed),
 each an engine through the daemon with its own job: two on cpu, two on nvme. In each round one
 engine of a pair steps recorded (``Engine.record_steps``, the default: [Note: restartable step]
-in offload.resume) and the other without the record (the step as before issue 18: torn if cut
+in offload.checkpoint.resume) and the other without the record (the step as before issue 18: torn if cut
 short), and they swap from round to round: an engine's own speed (where its memory landed, say:
 in one run one of two engines doing the same work was 7% slower in forward and backward, which the
 record does not touch) then weighs on both modes alike instead of passing for the record's cost.
@@ -42,8 +42,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 from bench_adam import cpu_description as _cpu_model  # noqa: E402
-from bench_step import (GPT, EngineContender, _fmt, _load, engine_config, model_and_batches,  # noqa: E402
-                        model_arguments, parse_step_args, publish, rotating_rounds)
+from step_common import (GPT, EngineContender, _fmt, _load, engine_config, model_and_batches,  # noqa: E402
+                         model_arguments, parse_step_args, publish, rotating_rounds)
 from step_ranks import SEGMENT_BYTES, _start_daemon  # noqa: E402
 
 from offload.builder import initialize  # noqa: E402

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from csrc.errors import ConfigError
-from offload.config_checks import check_bool as _bool, check_float as _float, check_int as _int, check_text as _text
-from offload.config_checks import fail as _fail
-from offload.config_combos import check_combinations
+from offload.config.checks import check_bool as _bool, check_float as _float, check_int as _int, check_text as _text
+from offload.config.checks import fail as _fail
+from offload.config.combos import check_combinations
 
 __all__ = [
     "OffloadDevice",
@@ -229,7 +229,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
 
     buffer_count: int = 4
     """NVMe: the fewest sub-group state blocks held in host memory at once; more where the host
-    memory budget holds them (offload.zero.window.window_size)."""
+    memory budget holds them (offload.plan.budget.window_size)."""
     pipeline_read: bool = False
     """NVMe: read sub-group i+1 while stepping i."""
     pipeline_write: bool = False
@@ -406,7 +406,7 @@ class OffloadSectionConfig:
     the same sums for two ranks. Where a rank cannot map it, the process group as before."""
     release_host_heap: bool = True
     """Hand the host heap's free pages back to the kernel at a step when resident memory has crept 64 MiB
-    past where it settled, so it stays near what is live ([Note: host heap creep], offload.host_heap)."""
+    past where it settled, so it stays near what is live ([Note: host heap creep], offload.runtime.host_heap)."""
     huge_pages: str = "auto"
     """The embedded store's pool: "auto" (private, on huge pages where the kernel gives them, else shared
     4 KiB pages) or "off" (shared 4 KiB pages); [Note: private pools] in swap.buffers."""

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from csrc import ConfigError
-from offload.hf_init import _pretrained_class
+from offload.hf.model_init import _pretrained_class
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _load(model, state_dict, checkpoint_files, load_config, expected_keys=None):
     """``PreTrainedModel._load_pretrained_model`` inside the context ([Note: from_pretrained in the context])."""
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    from offload.pretrained import load_pretrained
+    from offload.hf.load import load_pretrained
 
     if not _meta(model):
         raise ConfigError("from_pretrained inside offload.init_context built a model with real parameters "

@@ -1,8 +1,8 @@
 """``engine.save_16bit_model``: the module's weights in the compute dtype.
 
 With no file name (the default) it writes what ``from_pretrained`` loads: sharded safetensors with
-their index and, for a Hugging Face model, its ``config.json`` (``offload.safetensors_out``), under the
-names ``save_pretrained`` writes (Mixtral's experts one tensor each: ``offload.hf_names``). It
+their index and, for a Hugging Face model, its ``config.json`` (``offload.hf.safetensors_out``), under the
+names ``save_pretrained`` writes (Mixtral's experts one tensor each: ``offload.hf.names``). It
 streams: at stage 3 one unit is gathered at a time (every rank takes part; rank 0 writes), so no
 process holds the whole model, and it saves whatever ``stage3_gather_16bit_weights_on_model_save``
 says (the flag exists because DeepSpeed gathers the whole model for it).
@@ -24,8 +24,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from offload.hf_names import original_format
-from offload.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
+from offload.hf.names import original_format
+from offload.hf.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
 
 logger = logging.getLogger(__name__)
 

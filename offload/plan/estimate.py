@@ -32,49 +32,57 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Iterable
 
 import torch
 
 from csrc import ConfigError
-from offload.daemon_window import session_terms
-from offload.tiers import plan_bytes
-from offload.zero.block_undo import block_undo_bytes
-from offload.zero.grad_tier import gradients_on_nvme
+from offload.plan.memory import OptimizerSettings, Region, flat_layout, plan_optimizer, plan_params, sub_group_numel
+from offload.zero.layout import FlatLayout
 from offload.zero.overlap import copies_that_fit, overlap_wanted
-from offload.zero.window import window_size
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["EstimateInput", "EstimateRow", "Estimate", "ModelShapes", "estimate", "gpt_shapes", "shapes_from_count",
            "shapes_from_model", "process_baseline_bytes", "format_table", "zero_formula_bytes"]
 
-PAGE = 4096
-ALIGN = 64  # offload.zero.layout.ALIGN_ELEMENTS
-SUB_GROUP_CAP = 1 << 22  # offload.builder.OFFLOAD_SUB_GROUP_CAP
-UNDO_COPY_PART = "undo copy of the largest state block (daemon)"
-GRADS_ON_NVME_PART = "fp32 gradient accumulators (offload.gradient_tier nvme)"
 DEVICES = ("none", "cpu", "nvme")
-
-
-def _up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelShapes:
-    """What the estimate needs of a model."""
+    """What the estimate needs of a model: its trainable params' shapes and how stage 3 cuts them into units,
+    so that the estimate lays them out as the engine does (``offload.plan.memory.flat_layout``)."""
 
-    params: int
-    """Trainable parameter elements (a tied weight counted once)."""
-    units: tuple[int, ...]
-    """Elements of each stage-3 unit (the non-persistent params a module owns), in module order."""
-    persistent: int
-    """Elements of the persistent params (below stage3_param_persistence_threshold)."""
-    largest_param: int
-    """Elements of the largest single parameter."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Each trainable parameter's shape, in registration order (a tied weight once)."""
+    unit_plan: tuple[tuple[int, ...], ...]
+    """Stage 3's units: the indexes into ``shapes`` of each, in module order (``offload.zero.units``)."""
+    persistent_units: frozenset[int] = frozenset()
+    """Units that stay gathered (their params below stage3_param_persistence_threshold)."""
     activation_elements: int = 0
     """Elements autograd saves for backward per micro-batch (0: not known)."""
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def params(self) -> int:
+        """Trainable parameter elements."""
+        return sum(self.numels)
+
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest single parameter."""
+        return max(self.numels)
+
+    def layout(self, *, stage: int, world_size: int, reduce_bucket_size: int, sub: int, overlap: bool) -> FlatLayout:
+        """Rank 0's layout as the engine cuts it for ``stage`` (stage 3: a bucket per unit)."""
+        return flat_layout([(f"p{i}", s, 0) for i, s in enumerate(self.shapes)], stage=stage,
+                           reduce_bucket_size=reduce_bucket_size, world_size=world_size, rank=0, sub=sub,
+                           overlap=overlap, bucket_plan=self.unit_plan if stage == 3 else None)
 
 
 def shapes_from_model(model: torch.nn.Module, *, persistence_threshold: int,
@@ -84,22 +92,19 @@ def shapes_from_model(model: torch.nn.Module, *, persistence_threshold: int,
 
     params = [p for p in model.parameters() if p.requires_grad]
     plan = plan_units(model, [params], persistence_threshold=persistence_threshold)
-    numel = [p.numel() for p in params]
-    units = tuple(sum(numel[i] for i in b) for u, b in enumerate(plan.buckets) if u not in plan.persistent)
-    persistent = sum(numel[i] for u in plan.persistent for i in plan.buckets[u])
-    return ModelShapes(params=sum(numel), units=units, persistent=persistent, largest_param=max(numel),
-                       activation_elements=activation_elements)
+    return ModelShapes(shapes=tuple(tuple(p.shape) for p in params), unit_plan=plan.buckets,
+                       persistent_units=frozenset(plan.persistent), activation_elements=activation_elements)
 
 
 def shapes_from_count(params: int, *, largest_layer: int | None = None) -> ModelShapes:
-    """A model known by its size only: units of ``largest_layer`` elements (default: 1/96 of the model, a
-    GPT's MLP matrix at 32 layers), no persistent params, activations unknown."""
+    """A model known by its size only: params of ``largest_layer`` elements, each a unit (default: 1/96 of
+    the model, a GPT's MLP matrix at 32 layers), no persistent params, activations unknown."""
     if params < 1:
         raise ConfigError(f"the parameter count must be >= 1, got {params}")
     largest = max(1, min(params, largest_layer or params // 96 or params))
     full, rest = divmod(params, largest)
-    units = (largest,) * full + ((rest,) if rest else ())
-    return ModelShapes(params=params, units=units, persistent=0, largest_param=largest)
+    shapes = ((largest,),) * full + (((rest,),) if rest else ())
+    return ModelShapes(shapes=shapes, unit_plan=tuple((i,) for i in range(len(shapes))))
 
 
 def gpt_activation_elements(*, n_layer: int, n_embd: int, n_head: int, vocab_size: int, seq: int, batch: int) -> int:
@@ -152,18 +157,20 @@ class EstimateInput:
     """Bytes per compute-dtype element: 4 fp32, 2 bf16/fp16."""
     sub_group_size: int = 1_000_000_000
     """zero_optimization.sub_group_size."""
+    reduce_bucket_size: int = 500_000_000
+    """zero_optimization.reduce_bucket_size (stages 0-2 cut their buckets by it)."""
     optimizer_buffer_count: int = 4
     """offload_optimizer.buffer_count (state blocks in host memory with nvme: the window's floor)."""
     host_memory_bytes: int | None = None
     """offload.host_memory_bytes: the budget the engine sizes the optimizer state's NVMe window from;
-    None: as the engine does, from the memory available on this machine now (``offload.zero.window.window_size``)."""
+    None: as the engine does, from the memory available on this machine now (``offload.plan.budget.window_size``)."""
     daemon: bool = False
     """Through a node daemon without ``host_memory_bytes``: the engine sizes the window (and judges
     ``offload.gradient_tier`` "auto") by the rank's share of the daemon's pool when it starts
-    (``offload.daemon_window``); the estimate does the same with ``daemon_pool``, else takes the window's
+    (``offload.plan.daemon_pool``); the estimate does the same with ``daemon_pool``, else takes the window's
     floor, buffer_count blocks."""
     daemon_pool: Any = None
-    """The daemon's pool (``offload.daemon_window.DaemonPool``) as its STATUS gave it, read by ``offload
+    """The daemon's pool (``offload.plan.daemon_pool.DaemonPool``) as its STATUS gave it, read by ``offload
     estimate`` from the daemon the config names; None: not read."""
     local_ranks: int | None = None
     """Ranks of the job on the node, sharing the daemon's pool (LOCAL_WORLD_SIZE); None: ``world_size``."""
@@ -196,6 +203,24 @@ class EstimateInput:
         """The ranks sharing the daemon's pool: ``local_ranks``, else ``world_size``."""
         return self.local_ranks or self.world_size
 
+    def optimizer_settings(self, device: str, stage: int) -> OptimizerSettings:
+        """The optimizer tier's settings (``offload.plan.memory``) for one row."""
+        return OptimizerSettings(device=device, stage=stage, buffer_count=self.optimizer_buffer_count,
+                                 state_dtype=self.state_dtype, master_dtype=self.master_dtype,
+                                 grad_accum_dtype=self.grad_accum_dtype, gradient_tier=self.gradient_tier,
+                                 host_memory_bytes=self.host_memory_bytes, daemon=self.daemon)
+
+    def overlap(self, stage: int, optimizer: str) -> bool:
+        """Whether the engine runs the overlapped step for the row (``offload.zero.overlap.overlap_wanted``)."""
+        return overlap_wanted(self.overlap_step, device_type="cuda" if self.gpu else "cpu", stage=stage,
+                              offloaded=optimizer != "none", delayed=self.delayed_update)
+
+    def layout(self, stage: int, optimizer: str) -> FlatLayout:
+        """Rank 0's layout for the row, as the builder cuts it."""
+        return self.shapes.layout(stage=stage, world_size=self.world_size, reduce_bucket_size=self.reduce_bucket_size,
+                                  sub=sub_group_numel(self.sub_group_size, offloaded=optimizer != "none"),
+                                  overlap=self.overlap(stage, optimizer))
+
     @classmethod
     def from_config(cls, config: Any, shapes: ModelShapes, *, world_size: int = 1,
                     baseline_bytes: int = 0, gpu: bool = False) -> "EstimateInput":
@@ -206,6 +231,7 @@ class EstimateInput:
         z = cfg.zero
         itemsize = 2 if (cfg.bf16.enabled or cfg.fp16.enabled) else 4
         return cls(shapes=shapes, world_size=world_size, compute_bytes=itemsize, sub_group_size=z.sub_group_size,
+                   reduce_bucket_size=z.reduce_bucket_size,
                    optimizer_buffer_count=z.offload_optimizer.buffer_count,
                    host_memory_bytes=cfg.offload.host_memory_bytes, daemon=bool(resolve_daemon_socket(cfg.offload)),
                    param_buffer_count=z.offload_param.buffer_count, max_live=z.stage3_max_live_parameters,
@@ -234,6 +260,9 @@ class EstimateRow:
     """The ZeRO paper's model states per device for the stage (no offload), for comparison."""
     parts: tuple[tuple[str, str, int], ...]
     """(what, where, bytes) behind the totals."""
+    sessions: tuple[int, ...] = ()
+    """Through a node daemon: the bytes each daemon session of the rank asks for before packing (the
+    optimizer's, and stage 3's param shards'), ``TierPlan.session_bytes`` of the memory plan."""
 
     @property
     def process_bytes(self) -> int:
@@ -273,83 +302,35 @@ def state_block_bytes(numel: int, state_dtype: str, master_dtype: str = "fp32") 
     if state_dtype == "bf16":
         return (master + 4) * numel
     if state_dtype == "int8":
-        return _up((master + 2) * numel, 4) + 8 * -(-numel // 256)
+        return -(-(master + 2) * numel // 4) * 4 + 8 * -(-numel // 256)
     return 12 * numel
 
 
-def _sub_group_numels(partition: int, device: str, inp: EstimateInput) -> list[int]:
-    """Elements per optimizer sub-group of a partition (capped when offloaded, as ``offload.builder`` cuts them)."""
-    sub = min(inp.sub_group_size, SUB_GROUP_CAP) if device != "none" else inp.sub_group_size
-    return [sub] * (partition // sub) + ([partition % sub] if partition % sub else [])
+def _parts(regions: Iterable[Region]) -> list[tuple[str, str, int]]:
+    return [(r.what, r.where, r.nbytes) for r in regions]
 
 
-def _optimizer_parts(partition: int, device: str, inp: EstimateInput, *, stage: int = 2,
-                     unit_partition: int = 0) -> list[tuple[str, str, int]]:
-    """The fp32 gradient accumulators and state blocks of a partition (``offload.tiers.plan_bytes``);
-    with stage 3 and nvme, the accumulators on NVMe where ``offload.gradient_tier`` puts them there
-    (``unit_partition``: a rank's share of the largest unit, whose sub-groups' accumulators land at once)."""
-    numels = _sub_group_numels(partition, device, inp)
-    if device == "none":
-        return [("fp32 gradient accumulators", "device", 4 * partition), ("fp32 master + moments", "device", 12 * partition)]
-    gi = 2 if inp.grad_accum_dtype == "bf16" else 4
-    accumulators = f"{inp.grad_accum_dtype} gradient accumulators"
-    grads = sum(_up(gi * n, PAGE) for n in numels)
-    states = [_up(state_block_bytes(n, inp.state_dtype, inp.master_dtype), PAGE) for n in numels]
-    what = f"{inp.master_dtype} master + moments" + ("" if inp.state_dtype == "fp32" else f" ({inp.state_dtype})")
-    # a daemon session's undo copy of a compressed block ([Note: block undo]): host memory when the config
-    # names a daemon, else only in the daemon sizes the estimate advises ("daemon")
-    undo = [] if inp.state_dtype == "fp32" else [
-        (UNDO_COPY_PART, "host" if inp.daemon else "daemon", _up(block_undo_bytes(max(states)), PAGE))]
-    if device == "cpu":
-        return [(accumulators, "host", grads), (what, "host", sum(states))] + undo
-    floor = max(2, inp.optimizer_buffer_count)
+def _optimizer_parts(layout: FlatLayout, optimizer: str, stage: int, inp: EstimateInput) -> tuple[list, int]:
+    """The optimizer state's regions from the memory plan, and its daemon session's bytes (0: none)."""
+    if optimizer == "none":
+        n = layout.partition_numel
+        return [("fp32 gradient accumulators", "device", 4 * n), ("fp32 master + moments", "device", 12 * n)], 0
     pool = inp.daemon_pool if inp.daemon and inp.host_memory_bytes is None else None
-    ranks = inp.node_ranks
-    budget = None if pool is None else (lambda: (pool.rank_budget_bytes(ranks), "the daemon's pool"))
-    grads_nvme = gradients_on_nvme(inp.gradient_tier, stage=stage, optimizer_nvme=True, partition_numel=partition,
-                                   host_memory_bytes=inp.host_memory_bytes, log=False, grad_itemsize=gi,
-                                   budget=budget)  # [Note: gradient tier]
-    if grads_nvme:
-        floor = max(floor, 2 + -(-unit_partition // max(numels, default=1)))  # offload.state_window's floor
-    plan = plan_bytes(numels, window=0, nvme=True, nvme_path=None, grads_nvme=grads_nvme, grad_itemsize=gi,
-                      state_bytes=[state_block_bytes(n, inp.state_dtype, inp.master_dtype) for n in numels])
-    items = list(plan.state_bytes)
-    if pool is not None:  # as offload.state_window sizes it through a daemon
-        blocks, _ = pool.window(items, floor=floor, local_ranks=ranks, **session_terms(plan))
-    elif inp.daemon and inp.host_memory_bytes is None:
-        blocks = floor
-    else:
-        blocks = window_size(items, floor=floor, fixed_bytes=0 if grads_nvme else grads,
-                             host_memory_bytes=inp.host_memory_bytes, what="estimate", log=False)
-    window = sum(sorted(items, reverse=True)[:blocks])
-    if grads_nvme:
-        return [(GRADS_ON_NVME_PART.replace("fp32", inp.grad_accum_dtype), "nvme", grads), (what, "nvme", sum(states)),
-                ("state window (host budget, buffer_count at least), with the gradient accumulators", "host",
-                 window)] + undo
-    return [(accumulators, "host", grads), ("state window (host budget, buffer_count at least)", "host", window),
-            (what, "nvme", sum(states))] + undo
+    plan = plan_optimizer(layout, inp.optimizer_settings(optimizer, stage), pool=pool, local_ranks=inp.node_ranks,
+                          log=False)
+    return _parts(plan.regions()), plan.tier.session_bytes()
 
 
-def _stage012(stage: int, optimizer: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
-    s, c, n = inp.shapes, inp.compute_bytes, inp.world_size
-    shard = stage >= 1 and n > 1
-    total = _up(s.params, ALIGN * (n if shard else 1))
-    partition = total // n if shard else total
-    parts = [("flat params", "device", c * total), ("flat gradients", "device", c * total)]
-    return parts + _optimizer_parts(partition, optimizer, inp) + _staged_update_parts(stage, partition, optimizer, inp)
-
-
-def _staged_update_parts(stage: int, partition: int, optimizer: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
+def _staged_update_parts(stage: int, layout: FlatLayout, optimizer: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
     """The staging buffer and the overlapped step's rollback copies (``offload.zero.optimizer``, ``.overlap``)."""
     if optimizer == "none":
         return []
-    overlap = overlap_wanted(inp.overlap_step, device_type="cuda" if inp.gpu else "cpu", stage=stage,
-                             offloaded=True, delayed=inp.delayed_update)
+    overlap = inp.overlap(stage, optimizer)
     parts = []
     if inp.gpu or inp.delayed_update or overlap:
-        parts.append(("param staging (compute dtype)", "host", inp.compute_bytes * partition))
+        parts.append(("param staging (compute dtype)", "host", inp.compute_bytes * layout.partition_numel))
     if overlap and optimizer == "cpu":
-        numels = _sub_group_numels(partition, optimizer, inp)
+        numels = [sg.numel for sg in layout.sub_groups]
         copies = min(len(numels), copies_that_fit(numels))
         parts.append(("rollback copies (offload.overlap_step)", "host",
                       sum(state_block_bytes(k, inp.state_dtype, inp.master_dtype)
@@ -357,25 +338,36 @@ def _staged_update_parts(stage: int, partition: int, optimizer: str, inp: Estima
     return parts
 
 
-def _stage3(optimizer: str, param: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
-    s, c, n = inp.shapes, inp.compute_bytes, inp.world_size
-    units = [_up(u, ALIGN * n) for u in s.units]
-    persistent = _up(s.persistent, ALIGN * n) if s.persistent else 0
-    partition = (sum(units) + persistent) // n
+def _stage012(stage: int, optimizer: str, inp: EstimateInput) -> tuple[list, tuple[int, ...]]:
+    layout = inp.layout(stage, optimizer)
+    c, total = inp.compute_bytes, layout.total_numel
+    parts, session = _optimizer_parts(layout, optimizer, stage, inp)
+    return [("flat params", "device", c * total), ("flat gradients", "device", c * total), *parts,
+            *_staged_update_parts(stage, layout, optimizer, inp)], (session,) if session else ()
+
+
+def _stage3(optimizer: str, param: str, inp: EstimateInput) -> tuple[list, tuple[int, ...]]:
+    s, c = inp.shapes, inp.compute_bytes
+    layout = inp.layout(3, optimizer)
+    units = [b.numel for b in layout.buckets if b.index not in s.persistent_units]
+    persistent = sum(b.numel for b in layout.buckets if b.index in s.persistent_units)
     largest = max(units, default=0)
-    shard_sizes = [_up(c * u // n, PAGE) for u in units] + ([_up(c * persistent // n, PAGE)] if persistent else [])
     live = min(sum(units), max(inp.max_live, largest))
     parts = [("gathered units (persistent + live)", "device", c * (persistent + live)),
              ("unit gradient buffers", "device", c * (largest + persistent + s.largest_param))]
+    sessions = []
     if param == "none":
-        parts.append(("param shards", "device", c * partition))
-    elif param == "cpu":
-        parts.append(("param shards", "host", sum(shard_sizes)))
+        parts.append(("param shards", "device", c * layout.partition_numel))
     else:
-        parts += [("param shards in flight (buffer_count segments)", "host",
-                   max(3, inp.param_buffer_count) * max(shard_sizes, default=0)),
-                  ("param shards", "nvme", sum(shard_sizes))]
-    return parts + _optimizer_parts(partition, optimizer, inp, stage=3, unit_partition=largest // n)
+        shards = plan_params(layout, c, device=param, buffer_count=inp.param_buffer_count, nvme_path=None)
+        if shards.nvme:
+            parts += [("param shards in flight (buffer_count segments)", "host", shards.resident_bytes),
+                      ("param shards", "nvme", shards.swap_bytes)]
+        else:
+            parts.append(("param shards", "host", shards.resident_bytes))
+        sessions.append(shards.session_bytes())
+    opt, session = _optimizer_parts(layout, optimizer, 3, inp)
+    return parts + opt, ((session,) if session else ()) + tuple(sessions)
 
 
 def estimate(inp: EstimateInput, *, stages: Iterable[int] = (0, 1, 2, 3)) -> Estimate:
@@ -385,7 +377,7 @@ def estimate(inp: EstimateInput, *, stages: Iterable[int] = (0, 1, 2, 3)) -> Est
     for stage in stages:
         pairs = [(o, p) for o in DEVICES for p in DEVICES] if stage == 3 else [(o, "none") for o in DEVICES]
         for optimizer, param in pairs:
-            parts = _stage3(optimizer, param, inp) if stage == 3 else _stage012(stage, optimizer, inp)
+            parts, sessions = _stage3(optimizer, param, inp) if stage == 3 else _stage012(stage, optimizer, inp)
             if act:
                 parts.append(("activations", "device", act))
             # backward's matmuls hold a transposed or packed copy of the weight and its fresh gradient at once
@@ -397,7 +389,7 @@ def estimate(inp: EstimateInput, *, stages: Iterable[int] = (0, 1, 2, 3)) -> Est
                                     host_bytes=total["host"], nvme_bytes=total["nvme"],
                                     zero_formula_bytes=zero_formula_bytes(stage, inp.shapes.params, inp.world_size,
                                                                           inp.compute_bytes),
-                                    parts=tuple(parts)))
+                                    parts=tuple(parts), sessions=sessions))
     return Estimate(tuple(rows))
 
 

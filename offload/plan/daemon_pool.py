@@ -1,25 +1,25 @@
-"""The optimizer state window of a rank whose tier is a node daemon session.
+"""A node daemon's pool as the budget of a rank's optimizer state window.
 
-Embedded, the window is sized from the host budget (``offload.zero.window.window_size``). Through
+Embedded, the window is sized from the host budget (``offload.plan.budget.window_size``). Through
 a daemon without ``offload.host_memory_bytes`` the host memory is the daemon's pool, shared by
 every rank and job on the node: ``daemon_window_size`` gives a rank 1/POOL_SHARE of the pool (no
 more than is free now) split over the node's ranks, no more than one session may hold, and in it
 as many state blocks as fit once the session's quota is packed in whole segments the way
-``offload.tiers.packed_quota_bytes`` packs it; never fewer than ``buffer_count``.
+``offload.plan.tier_plan.packed_quota_bytes`` packs it; never fewer than ``buffer_count``.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from csrc import OffloadError
-from offload.tiers import packed_quota_bytes
+from offload.plan.tier_plan import packed_quota_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["POOL_ERRORS", "POOL_SHARE", "DaemonPool", "blocks_in_quota", "daemon_budget_bytes", "daemon_state_window",
-           "daemon_window_size", "read_pool", "reattached_window", "session_terms"]
+__all__ = ["POOL_ERRORS", "POOL_SHARE", "DaemonPool", "blocks_in_quota", "daemon_window_size", "local_ranks_here",
+           "read_pool", "reattached_window"]
 
 POOL_SHARE = 2
 """The ranks of one job take at most 1/POOL_SHARE of the daemon's pool: the rest is for other jobs."""
@@ -96,29 +96,9 @@ def read_pool(socket_path: str) -> DaemonPool:
 POOL_ERRORS = (OSError, OffloadError, KeyError, TypeError, ValueError)
 
 
-def session_terms(plan: Any) -> dict[str, int]:
-    """What a daemon session of ``plan`` (``offload.tiers.TierPlan``, window 0) holds besides its window's
-    blocks, and its largest region: the ``fixed_bytes`` and ``largest_region_bytes`` of the window rules."""
-    from offload.resume import session_fixed_bytes
-
-    return {"fixed_bytes": plan.resident_bytes + session_fixed_bytes(plan),
-            "largest_region_bytes": max(plan.region_bytes, default=0)}
-
-
-def _local_ranks() -> int:
+def local_ranks_here() -> int:
+    """The job's ranks on this node (LOCAL_WORLD_SIZE), sharing the daemon's pool."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-
-
-def daemon_budget_bytes(socket_path: str) -> tuple[int | None, str]:
-    """The host memory a rank may hold in the daemon at ``socket_path`` (``rank_budget_bytes`` of its pool
-    now), and where that figure came from; None where the daemon does not say."""
-    try:
-        pool = read_pool(socket_path)
-    except POOL_ERRORS as exc:
-        return None, f"nothing (the daemon's pool could not be read: {exc})"
-    ranks = _local_ranks()
-    where = f"1/{POOL_SHARE} of the daemon's pool" + (f" over {ranks} ranks" if ranks > 1 else "")
-    return pool.rank_budget_bytes(ranks), where
 
 
 def blocks_in_quota(block_bytes: Sequence[int], *, fixed_bytes: int, largest_region_bytes: int, segment_bytes: int,
@@ -148,20 +128,3 @@ def reattached_window(store: object, block_bytes: Sequence[int], window: int, *,
     return min(window, max(floor, held))
 
 
-def daemon_state_window(socket_path: str, block_bytes: Sequence[int], *, floor: int, fixed_bytes: int,
-                        largest_region_bytes: int, what: str = "optimizer state") -> int:
-    """Ask the daemon at ``socket_path`` (STATUS) for its pool and size the window with
-    ``daemon_window_size`` over LOCAL_WORLD_SIZE ranks; ``floor`` where the daemon does not say.
-    Logged once per call."""
-    try:
-        pool = read_pool(socket_path)
-    except POOL_ERRORS as exc:
-        logger.info("%s window: %d (buffer_count; the daemon's pool could not be read: %s)", what, floor, exc)
-        return floor
-    ranks = _local_ranks()
-    size, budget = pool.window(block_bytes, floor=floor, fixed_bytes=fixed_bytes,
-                               largest_region_bytes=largest_region_bytes, local_ranks=ranks)
-    logger.info("%s window: %d of %d blocks in host memory (buffer_count %d; budget %.2f GB: 1/%d of the daemon's "
-                "%s, over %d ranks)", what, min(size, len(block_bytes)), len(block_bytes), floor, budget / 1e9,
-                POOL_SHARE, pool.describe(), ranks)
-    return size

@@ -1,13 +1,13 @@
 """The one reader of the DeepSpeed-style training config: JSON or dict -> frozen dataclasses.
 
 ``read_config(config, world_size=...)`` takes a dict or a JSON file path and returns an
-``EngineConfig`` whose sections (``offload.config_sections``) each go to one component.
+``EngineConfig`` whose sections (``offload.config.sections``) each go to one component.
 It reads nothing else and allocates nothing: the only side effect is the writability
 probe of an ``nvme_path`` (a temporary file, created and removed at once), so every
 error comes before the engine allocates a byte.
 
 The rules:
-- Every key is checked against DeepSpeed's own (``offload.config_keys``). A key DeepSpeed
+- Every key is checked against DeepSpeed's own (``offload.config.keys``). A key DeepSpeed
   does not have is a ``ConfigError`` naming it with its section as a dotted path and
   suggesting the closest known key. A key DeepSpeed has but this engine does not act on
   is logged once per process (``logger.warning``) as ignored; its value is not read.
@@ -33,9 +33,9 @@ import typing
 from typing import Any, Mapping
 
 from csrc.errors import ConfigError
-from offload import config_keys as keys
-from offload import config_sections
-from offload.config_sections import (
+import offload.config.keys as keys
+import offload.config.sections as config_sections
+from offload.config.sections import (
     SCHEDULER_TYPES, AioConfig, BatchConfig, CheckpointConfig, Bf16Config, DataTypesConfig, EngineConfig, Fp16Config, OffloadDevice,
     OffloadOptimizerConfig, OffloadParamConfig, OffloadSectionConfig, OptimizerConfig, SchedulerConfig,
     ZeroConfig,
@@ -56,7 +56,7 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
                 client_optimizer: Mapping[str, Any] | None = None) -> EngineConfig:
     """Read a DeepSpeed-style config (a dict, or the path of a JSON file) for ``world_size`` ranks.
     ``client_optimizer``: the "optimizer" section of an optimizer passed to ``initialize``
-    (``offload.client_optimizer``), read as if the config held it; the config must not name one too."""
+    (``offload.config.client_optimizer``), read as if the config held it; the config must not name one too."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1, got {world_size!r}")
     raw = _load(config)

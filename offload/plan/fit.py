@@ -14,19 +14,15 @@ import os
 import shutil
 import tempfile
 
+from offload.plan.budget import available_bytes
 from offload.units import format_bytes
-from offload.zero.window import available_bytes
 
 __all__ = ["Machine", "Verdict", "answer", "change_text", "daemon_sizes", "machine_here", "nvme_path",
            "smallest_change", "verdict"]
 
 GIB = 1 << 30
 _OFFLOAD_RANK = {"none": 0, "cpu": 1, "nvme": 2}
-# what the tiers hold in host memory, by daemon session: the optimizer's (grads and states) and, with
-# stage 3 offloading params, the param shards' own (``<job>.params``); [Note: estimate] in offload.estimate
-OPTIMIZER_SESSION_PARTS = ("fp32 gradient accumulators", "bf16 gradient accumulators", "state window (host budget, buffer_count at least)",
-                           "fp32 master + moments", "bf16 master + moments", "undo copy of the largest state block")
-PARAM_SESSION_PARTS = ("param shards", "param shards in flight (buffer_count segments)")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Machine:
@@ -118,21 +114,13 @@ def smallest_change(rows, configured, machine: Machine):
 
 
 def daemon_sizes(row, world_size: int) -> tuple[int, int, int]:
-    """(per-session quota, sessions per rank, pool capacity) for ``row`` through a node daemon: each
-    session's host parts plus the commit region and the undo log, page-rounded; the quota is the larger
-    session's, the pool holds every session of every rank (all on one node)."""
-    from offload.estimate import SUB_GROUP_CAP
-    from offload.resume import fixed_bytes_for
-
-    sessions = []
-    for names, commit in ((OPTIMIZER_SESSION_PARTS, fixed_bytes_for(SUB_GROUP_CAP)), (PARAM_SESSION_PARTS, 0)):
-        held = sum(n for what, where, n in row.parts  # names are prefixes: "fp32 master + moments (int8)"
-                   if where in ("host", "daemon") and what.startswith(names))
-        if held:
-            sessions.append(-(-(held + commit) // 4096) * 4096)
-    if not sessions:
+    """(per-session quota, sessions per rank, pool capacity) for ``row`` through a node daemon: each session's
+    bytes as the memory plan gives them (``EstimateRow.sessions``: its regions' host bytes, the commit region
+    and the undo log, page-rounded); the quota is the larger session's, the pool holds every session of every
+    rank (all on one node)."""
+    if not row.sessions:
         return 0, 0, 0
-    return max(sessions), len(sessions), sum(sessions) * world_size
+    return max(row.sessions), len(row.sessions), sum(row.sessions) * world_size
 
 
 def change_text(configured, row) -> str:

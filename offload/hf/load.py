@@ -12,7 +12,7 @@ rank's shards straight into the shards after the model's init ran ([Note: stream
 real parameters is filled at once. Missing keys keep the model's init; tied names are satisfied by any
 name of the tensor, as transformers reports them. Values are cast to the parameter's dtype. A transformers
 model's checkpoint names are converted as transformers converts them (Mixtral's per-expert tensors into
-its fused experts: [Note: converted names] in ``offload.hf_names``).
+its fused experts: [Note: converted names] in ``offload.hf.names``).
 
 [Note: streaming reads] A safetensors file is an 8-byte little-endian header length, a JSON header
 (name -> dtype, shape, byte offsets) and the raw row-major bytes. ``safetensors.safe_open`` maps the
@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from csrc import ConfigError
-from offload.hf_names import Source, checkpoint_sources
+from offload.hf.names import Source, checkpoint_sources
 
 logger = logging.getLogger(__name__)
 

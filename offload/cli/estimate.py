@@ -1,6 +1,6 @@
 """``offload estimate`` on the command line: its flags, the model given by ``--params``, ``--gpt``,
-``--model`` or ``--hf-config``, and the report (the table of ``offload.estimate`` with each row's
-verdict from ``offload.estimate_fit``)."""
+``--model`` or ``--hf-config``, and the report (the table of ``offload.plan.estimate`` with each row's
+verdict from ``offload.plan.fit``)."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from csrc import ConfigError
-from offload import estimate_fit as fit
-from offload.estimate import (EstimateInput, ModelShapes, estimate, format_table, gpt_shapes, process_baseline_bytes,
+from offload.plan import fit
+from offload.plan.estimate import (EstimateInput, ModelShapes, estimate, format_table, gpt_shapes, process_baseline_bytes,
                               shapes_from_count, shapes_from_model)
 
 __all__ = ["add_arguments", "parse_count", "run_cli"]
@@ -139,9 +139,9 @@ def run_cli(args: Any) -> int:
 
 def _with_daemon_pool(inp: EstimateInput, cfg: Any) -> tuple[EstimateInput, str]:
     """The estimate through the daemon ``cfg`` names, its pool read as the engine reads it when it starts
-    (``offload.daemon_window``); where it cannot be read, the window's floor as before, and why."""
+    (``offload.plan.daemon_pool``); where it cannot be read, the window's floor as before, and why."""
     from offload.config import resolve_daemon_socket
-    from offload.daemon_window import POOL_ERRORS, POOL_SHARE, read_pool
+    from offload.plan.daemon_pool import POOL_ERRORS, POOL_SHARE, read_pool
 
     socket = resolve_daemon_socket(cfg.offload)
     try:

@@ -142,7 +142,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from offload.checkpoint import consolidate, consolidate_safetensors
+    from offload.checkpoint.dcp import consolidate, consolidate_safetensors
 
     if args.format == "safetensors":
         names = consolidate_safetensors(args.checkpoint, args.out, max_shard_size_bytes=args.max_shard_size_bytes)
@@ -154,13 +154,13 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from offload.estimate_cli import run_cli
+    from offload.cli.estimate import run_cli
 
     return run_cli(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from offload.demo import DemoConfig, run_demo
+    from offload.cli.demo import DemoConfig, run_demo
 
     given = {"steps": args.steps, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
              "n_layer": args.n_layer, "n_embd": args.n_embd, "offload_device": args.device,
@@ -250,7 +250,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
     e = sub.add_parser("estimate", help="device, host and NVMe bytes per ZeRO stage and offload choice")
     if command == "estimate":  # its arguments come with torch; `offload status` must answer in well under 0.5 s
-        from offload.estimate_cli import add_arguments
+        from offload.cli.estimate import add_arguments
 
         add_arguments(e)
     e.set_defaults(fn=_estimate)
@@ -273,6 +273,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offload {args.command}: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

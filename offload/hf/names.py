@@ -14,7 +14,7 @@ tensor is described as the checkpoint tensors whose flattened contents, one afte
 flattened contents (a ``Source``). That holds for the operations here (a stack along dim 0 lays the
 tensors one after another; a concatenation along dim 1 of stacks lays, for each expert, its piece of
 each source one after another), so each rank reads only its piece of each source tensor, as for a plain
-tensor ([Note: streaming reads] in ``offload.pretrained``). Other operations (transposes, interleaves,
+tensor ([Note: streaming reads] in ``offload.hf.load``). Other operations (transposes, interleaves,
 RoPE permutations) do not lay the sources end to end: a checkpoint that needs one is refused with the
 names, not read whole.
 

@@ -7,9 +7,9 @@ and no memory. ``offload.initialize`` (stage 3) then puts each parameter straigh
 partition, one module at a time ([Note: materializing] in ``offload.zero.stage3``), by
 running the module's ``reset_parameters()`` or the ``param_init_fn`` given here; a Hugging Face
 model's own ``_init_weights`` runs instead, replayed in the order ``post_init`` runs it
-([Note: init replay] in ``offload.hf_init``). ``from_pretrained`` of a local safetensors directory works
+([Note: init replay] in ``offload.hf.model_init``). ``from_pretrained`` of a local safetensors directory works
 inside the context too: the weights are read into the partitions at ``initialize``
-([Note: from_pretrained in the context] in ``offload.hf_pretrained``).
+([Note: from_pretrained in the context] in ``offload.hf.from_pretrained``).
 
     with offload.init_context(config):
         model = GPT(cfg)
@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from csrc import ConfigError
-from offload.hf_init import recording
-from offload.hf_pretrained import from_pretrained_in_context
+from offload.hf.model_init import recording
+from offload.hf.from_pretrained import from_pretrained_in_context
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The checks across config sections: combinations of keys the engine cannot run, each a
 ``ConfigError`` that names the keys and what to set instead. ``EngineConfig`` runs them once its
-sections are built (``offload.config_sections``)."""
+sections are built (``offload.config.sections``)."""
 from __future__ import annotations
 
 from typing import Any

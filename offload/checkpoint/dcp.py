@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from csrc import ConfigError
-from offload.checkpoint_tags import LATEST, METADATA, failed_save, prune, resolve_path, write_latest
-from offload.hf_names import model_for_names, original_format
-from offload.rng import rng_state, set_rng_state
-from offload.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
+from offload.checkpoint.tags import LATEST, METADATA, failed_save, prune, resolve_path, write_latest
+from offload.hf.names import model_for_names, original_format
+from offload.checkpoint.rng import rng_state, set_rng_state
+from offload.hf.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
 
 logger = logging.getLogger(__name__)
 

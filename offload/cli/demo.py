@@ -8,7 +8,7 @@ under a ``rich`` progress bar (loss, tokens/s, tier I/O in GB/s from the deltas 
 ``engine.offload_stats()``). It closes with a summary: where the optimizer states
 lived, bytes moved, the time ``step()`` waited on I/O and its share of the step, the
 first, last and validation loss, and the loss curve drawn in the terminal
-(``offload.termplot``), or also as a PNG where matplotlib is importable.
+(``offload.cli.termplot``), or also as a PNG where matplotlib is importable.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from csrc.errors import ConfigError
 from offload.units import format_bytes
 from offload.models import GPT, CharTokenizer, GPTConfig, TextWindows, load_corpus, split_tokens
-from offload.termplot import plot_lines
+from offload.cli.termplot import plot_lines
 
 logger = logging.getLogger(__name__)
 
