@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["Placement", "SwapFile", "SwapSpace", "SwapSpaceConfig"]
 
 
+DEFAULT_STRIPE_BYTES = 1 << 20
+"""Each swap file's size is a multiple of this (and of its share of the capacity)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SwapSpaceConfig:
     """Where swap files go and how big they are."""
@@ -40,7 +44,7 @@ class SwapSpaceConfig:
     """Directories, one swap file each (ideally one per device)."""
     capacity_bytes: int
     """Total bytes over all files, split evenly (each rounded up to stripe_bytes)."""
-    stripe_bytes: int = 1 << 20
+    stripe_bytes: int = DEFAULT_STRIPE_BYTES
     """Striping unit across paths; a multiple of 4096."""
     preallocate: bool = True
     """fallocate the files at start; False leaves them sparse (a full disk then shows up at evict)."""

@@ -316,28 +316,6 @@ def undo_slots() -> int:
     return max(1, min(256, default_num_threads()))
 
 
-def session_fixed_bytes(plan: Any) -> int:
-    """What a daemon session holds besides the optimizer state: the commit region and the undo log
-    (for sub-groups of the plan's largest gradient region), page-aligned; with compressed states
-    (blocks under 12 bytes per element) the undo copy of the largest block too ([Note: block undo])."""
-    from offload.zero.block_undo import block_undo_bytes
-
-    fixed = fixed_bytes_for(max(plan.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
-    half = len(plan.region_bytes) // 2  # the grad regions, then the state blocks (offload.tiers.plan_bytes)
-    grads, states = plan.region_bytes[:half], plan.region_bytes[half:]
-    if any(s < 12 * (g // plan.grad_itemsize) for g, s in zip(grads, states)):
-        fixed += -(-block_undo_bytes(-(-max(states) // 4096) * 4096) // 4096) * 4096
-    return fixed
-
-
-def fixed_bytes_for(max_elems: int) -> int:
-    """``session_fixed_bytes`` for sub-groups of at most ``max_elems`` elements."""
-    from cpu_adam.undo import undo_bytes
-
-    page = 4096
-    return COMMIT_BYTES + -(-undo_bytes(undo_slots(), max_elems) // page) * page
-
-
 def open_undo(store: Any, *, existing: bool, slots: int, max_elems: int, block_bytes: int | None = None):
     """The session's undo log ([Note: restartable step]): made for ``slots`` threads and sub-groups of up
     to ``max_elems`` elements, or the one a previous process of the session left. ``block_bytes``: the

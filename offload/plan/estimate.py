@@ -318,7 +318,14 @@ def _optimizer_parts(layout: FlatLayout, optimizer: str, stage: int, inp: Estima
     pool = inp.daemon_pool if inp.daemon and inp.host_memory_bytes is None else None
     plan = plan_optimizer(layout, inp.optimizer_settings(optimizer, stage), pool=pool, local_ranks=inp.node_ranks,
                           log=False)
-    return _parts(plan.regions()), plan.tier.session_bytes()
+    return _parts(plan.regions()), _session_bytes(plan.tier, inp)
+
+
+def _session_bytes(tier: Any, inp: EstimateInput) -> int:
+    """A daemon session's quota for ``tier`` (a ``TierPlan``): packed in the pool's segments where the pool
+    was read ([Note: quota in segments]), else before packing."""
+    pool = inp.daemon_pool
+    return tier.quota_bytes(pool.segment_bytes) if pool is not None else tier.session_bytes()
 
 
 def _staged_update_parts(stage: int, layout: FlatLayout, optimizer: str, inp: EstimateInput) -> list[tuple[str, str, int]]:
@@ -362,10 +369,11 @@ def _stage3(optimizer: str, param: str, inp: EstimateInput) -> tuple[list, tuple
         shards = plan_params(layout, c, device=param, buffer_count=inp.param_buffer_count, nvme_path=None)
         if shards.nvme:
             parts += [("param shards in flight (buffer_count segments)", "host", shards.resident_bytes),
-                      ("param shards", "nvme", shards.swap_bytes)]
+                      ("param shards", "nvme", shards.swap_bytes),
+                      ("rest of the shards' swap file", "nvme", shards.swap_capacity_bytes - shards.swap_bytes)]
         else:
             parts.append(("param shards", "host", shards.resident_bytes))
-        sessions.append(shards.session_bytes())
+        sessions.append(_session_bytes(shards, inp))
     opt, session = _optimizer_parts(layout, optimizer, 3, inp)
     return parts + opt, ((session,) if session else ()) + tuple(sessions)
 

@@ -35,12 +35,15 @@ from offload.plan.tier_plan import PAGE, TierPlan, plan_bytes
 from offload.zero.grad_tier import gradients_on_nvme
 from offload.zero.layout import FlatLayout
 from offload.zero.state_format import StateFormat
+from offload.checkpoint.resume import COMMIT_BYTES, undo_slots
 from swap import align_up
+from swap.space import DEFAULT_STRIPE_BYTES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMIT_PART", "GRADS_ON_NVME_PART", "OFFLOAD_SUB_GROUP_CAP", "UNDO_COPY_PART", "WINDOW_PART", "OptimizerPlan", "OptimizerSettings", "Region", "engine_optimizer_plan",
-           "fixed_bytes_for", "flat_layout", "plan_optimizer", "plan_params", "session_fixed_bytes", "sub_group_numel"]
+__all__ = ["COMMIT_PART", "GRADS_ON_NVME_PART", "OFFLOAD_SUB_GROUP_CAP", "UNDO_COPY_PART", "UNDO_LOG_PART",
+           "WINDOW_PART", "OptimizerPlan", "OptimizerSettings", "Region", "engine_optimizer_plan",
+           "flat_layout", "plan_optimizer", "plan_params", "session_fixed_bytes", "sub_group_numel"]
 
 OFFLOAD_SUB_GROUP_CAP = 1 << 22
 """Offloaded sub-groups hold at most this many elements (48 MiB of fp32 state): the unit of NVMe I/O
@@ -48,7 +51,8 @@ and of the CPU step's overlap, whatever ``sub_group_size`` says."""
 
 GRADS_ON_NVME_PART = "fp32 gradient accumulators (offload.gradient_tier nvme)"
 WINDOW_PART = "state window (host budget, buffer_count at least)"
-COMMIT_PART = "commit region and undo log (daemon)"
+COMMIT_PART = "commit region (daemon)"
+UNDO_LOG_PART = "undo log (daemon)"
 UNDO_COPY_PART = "undo copy of the largest state block (daemon)"
 
 HOST, NVME, DAEMON = "host", "nvme", "daemon"
@@ -185,10 +189,8 @@ class OptimizerPlan:
             out.append(Region("rest of the swap (offload.swap_capacity_bytes)", NVME,
                               tier.swap_capacity_bytes - tier.swap_bytes))
         where = HOST if s.daemon else DAEMON  # [Note: memory plan]: counted in a daemon's sizes either way
-        commit = fixed_bytes_for(max(tier.region_bytes, default=0) // 4)
-        out.append(Region(COMMIT_PART, where, commit))
-        if tier.session_fixed_bytes > commit:
-            out.append(Region(UNDO_COPY_PART, where, tier.session_fixed_bytes - commit))
+        out.append(Region(COMMIT_PART, where, COMMIT_BYTES))
+        out.append(Region(UNDO_COPY_PART if s.compressed else UNDO_LOG_PART, where, tier.session_fixed_bytes - COMMIT_BYTES))
         return out
 
     def check(self) -> None:
@@ -209,25 +211,22 @@ class OptimizerPlan:
                                  largest_region_bytes=max(self.tier.region_bytes, default=0))
 
 
-def fixed_bytes_for(max_elems: int) -> int:
-    """The commit region and the undo log of a session whose sub-groups have at most ``max_elems`` elements."""
-    from cpu_adam.undo import undo_bytes
-    from offload.checkpoint.resume import COMMIT_BYTES, undo_slots
+def session_fixed_bytes(tier: TierPlan, *, compressed: bool, max_elems: int) -> int:
+    """What a daemon session holds besides the optimizer state's regions, page-aligned: the commit region, and
+    the undo log for sub-groups of up to ``max_elems`` elements, or with compressed states in its place the undo
+    copy of the largest block ([Note: block undo] in offload.zero.block_undo; ``offload.checkpoint.resume.open_undo``)."""
+    return COMMIT_BYTES + _undo_bytes(tier, compressed=compressed, max_elems=max_elems)
 
-    return COMMIT_BYTES + align_up(undo_bytes(undo_slots(), max_elems), PAGE)
 
-
-def session_fixed_bytes(tier: TierPlan, *, compressed: bool) -> int:
-    """What a daemon session holds besides the optimizer state: the commit region and the undo log (for
-    sub-groups of the plan's largest gradient region), page-aligned; with compressed states the undo copy of
-    the largest block too ([Note: block undo] in offload.zero.block_undo)."""
-    from offload.zero.block_undo import block_undo_bytes
-
-    fixed = fixed_bytes_for(max(tier.region_bytes, default=0) // 4)  # >= the largest sub-group's elements
+def _undo_bytes(tier: TierPlan, *, compressed: bool, max_elems: int) -> int:
     if compressed:
+        from offload.zero.block_undo import block_undo_bytes
+
         states = tier.region_bytes[len(tier.region_bytes) // 2:]  # the grad regions, then the state blocks
-        fixed += align_up(block_undo_bytes(align_up(max(states), PAGE)), PAGE)
-    return fixed
+        return align_up(block_undo_bytes(max(states, default=0)), PAGE)
+    from cpu_adam.undo import undo_bytes
+
+    return align_up(undo_bytes(undo_slots(), max_elems), PAGE)
 
 
 def _floor(layout: FlatLayout, buffer_count: int, grads_nvme: bool) -> int:
@@ -246,7 +245,8 @@ def _tier(layout: FlatLayout, s: OptimizerSettings, *, window: int, grads_nvme: 
     plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=s.nvme,
                       nvme_path=s.nvme_path if s.nvme else None, grads_nvme=grads_nvme, grad_itemsize=s.grad_itemsize,
                       state_bytes=[fmt.state_bytes(sg) for sg in layout.sub_groups])
-    return dataclasses.replace(plan, session_fixed_bytes=session_fixed_bytes(plan, compressed=s.compressed))
+    return dataclasses.replace(plan, session_fixed_bytes=session_fixed_bytes(
+        plan, compressed=s.compressed, max_elems=max((sg.numel for sg in layout.sub_groups), default=0)))
 
 
 def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: DaemonPool | None = None,
@@ -316,7 +316,7 @@ def _sized(tier: TierPlan, s: OptimizerSettings) -> TierPlan:
         host = max(tier.resident_bytes, host // tier.slot_bytes * tier.slot_bytes)
     swap = 0
     if s.nvme and not s.daemon:
-        swap = align_up(s.swap_capacity_bytes or tier.swap_bytes, PAGE)
+        swap = align_up(s.swap_capacity_bytes or tier.swap_bytes, DEFAULT_STRIPE_BYTES)  # one swap file
     return dataclasses.replace(tier, host_capacity_bytes=align_up(host, PAGE), swap_capacity_bytes=swap)
 
 
@@ -331,4 +331,5 @@ def plan_params(layout: FlatLayout, itemsize: int, *, device: str, buffer_count:
     resident = max(3, buffer_count) * sizes[0] if nvme else sum(sizes)
     return TierPlan(nvme=nvme, region_bytes=tuple(sizes), resident_bytes=resident,
                     swap_bytes=sum(sizes) if nvme else 0, nvme_path=nvme_path, segment_bytes=sizes[0] if nvme else None,
-                    host_capacity_bytes=resident, swap_capacity_bytes=sum(sizes) if nvme else 0)
+                    host_capacity_bytes=resident,
+                    swap_capacity_bytes=align_up(sum(sizes), DEFAULT_STRIPE_BYTES) if nvme else 0)

@@ -220,7 +220,7 @@ def test_the_daemon_quota_holds_the_state_blocks_in_every_state_dtype(state_dtyp
     undo]): host memory only with a daemon."""
     from offload.plan.estimate import state_block_bytes
     from offload.plan.fit import daemon_sizes
-    from offload.plan.memory import COMMIT_PART, OFFLOAD_SUB_GROUP_CAP, UNDO_COPY_PART
+    from offload.plan.memory import COMMIT_PART, OFFLOAD_SUB_GROUP_CAP, UNDO_COPY_PART, UNDO_LOG_PART
 
     inp = EstimateInput(shapes=shapes_from_count(50_000_000), compute_bytes=4, state_dtype=state_dtype)
     row = estimate(inp).row(stage=2, optimizer="cpu")
@@ -228,7 +228,7 @@ def test_the_daemon_quota_holds_the_state_blocks_in_every_state_dtype(state_dtyp
     copy = 0 if state_dtype == "fp32" else state_block_bytes(OFFLOAD_SUB_GROUP_CAP, state_dtype)
     assert states > 0 and daemon_sizes(row, 1)[0] > states + copy
     with_daemon = estimate(dataclasses.replace(inp, daemon=True)).row(stage=2, optimizer="cpu")
-    session = {what: n for what, _, n in with_daemon.parts if what in (COMMIT_PART, UNDO_COPY_PART)}
+    session = {what: n for what, _, n in with_daemon.parts if what in (COMMIT_PART, UNDO_LOG_PART, UNDO_COPY_PART)}
     assert with_daemon.host_bytes - row.host_bytes == sum(session.values()) > 0
-    assert (UNDO_COPY_PART in session) == (state_dtype != "fp32")
+    assert (UNDO_COPY_PART in session) == (state_dtype != "fp32") != (UNDO_LOG_PART in session)
     assert session.get(UNDO_COPY_PART, 0) >= copy

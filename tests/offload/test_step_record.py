@@ -104,14 +104,20 @@ def test_an_overlapped_step_rolls_back_under_backward_and_finishes_after_its_ver
     assert _verdict(store)[0] == TORN
 
 
-def test_a_session_with_compressed_states_holds_room_for_the_undo_copy_of_its_largest_block():
-    """[Note: block undo]: the fixed part of a daemon session grows by the largest compressed block (page-rounded),
-    and not at all with fp32 states."""
+def test_a_session_holds_its_commit_region_and_the_undo_log_or_with_compressed_states_the_undo_copy():
+    """[Note: block undo]: beside the commit region a daemon session holds the undo log for its largest sub-group
+    (fp32 states), or in its place the undo copy of the largest compressed block, page-rounded; what
+    ``offload.checkpoint.resume.open_undo`` allocates."""
+    from cpu_adam.undo import undo_bytes
+    from offload.checkpoint.resume import COMMIT_BYTES, undo_slots
     from offload.plan.memory import session_fixed_bytes
     from offload.plan.tier_plan import plan_bytes
+    from offload.zero.block_undo import block_undo_bytes
 
     numels = [1000, 3000, 2000]
-    fp32 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=False, nvme_path=None), compressed=False)
+    fp32 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=False, nvme_path=None), compressed=False,
+                               max_elems=3000)
+    assert fp32 == COMMIT_BYTES + -(-undo_bytes(undo_slots(), 3000) // 4096) * 4096
     int8 = session_fixed_bytes(plan_bytes(numels, window=2, nvme=True, nvme_path="/x",
-                                          state_bytes=[6 * n + 100 for n in numels]), compressed=True)
-    assert int8 - fp32 == 6 * 4096  # the largest block, 18100 bytes (20480 as the plan rounds it), and the word
+                                          state_bytes=[6 * n + 100 for n in numels]), compressed=True, max_elems=3000)
+    assert int8 == COMMIT_BYTES + -(-block_undo_bytes(18100) // 4096) * 4096  # the largest block, 18100 bytes
