@@ -55,9 +55,10 @@ COMMIT_PART = "commit region (daemon)"
 UNDO_LOG_PART = "undo log (daemon)"
 UNDO_COPY_PART = "undo copy of the largest state block (daemon)"
 
-HOST, NVME, DAEMON = "host", "nvme", "daemon"
+HOST, NVME, DAEMON, RESERVED = "host", "nvme", "daemon", "reserved"
 """Where a region lives: host memory (the embedded store's pool or the daemon session's segments), the
-swap files, or host memory held only when a node daemon serves the session."""
+swap files, host memory held only when a node daemon serves the session, or address space of the pool
+that nothing touches (no memory until it is)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,7 @@ class OptimizerPlan:
             out = [Region(accumulators, HOST, grads), Region(WINDOW_PART, HOST, tier.resident_bytes - grads),
                    Region(what, NVME, states)]
         if tier.host_capacity_bytes > tier.resident_bytes:
-            out.append(Region("rest of the pool (offload.host_memory_bytes)", HOST,
+            out.append(Region("rest of the pool (offload.host_memory_bytes; its pages untouched)", RESERVED,
                               tier.host_capacity_bytes - tier.resident_bytes))
         if tier.swap_capacity_bytes > tier.swap_bytes:
             out.append(Region("rest of the swap (offload.swap_capacity_bytes)", NVME,

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-import offload.config as config_module
+import offload.config.read as config_module
 from csrc.errors import ConfigError
 from offload.config import (
     AioConfig, BatchConfig, EngineConfig, Fp16Config, OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig,

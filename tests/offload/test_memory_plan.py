@@ -91,7 +91,7 @@ def test_the_embedded_engine_allocates_what_the_estimate_prints(tmp_path, monkey
     try:
         _step(engine)
         stats = engine.tier.store.stats()
-        assert stats.host_pool_capacity_bytes == _optimizer_parts(row, "host")
+        assert stats.host_pool_capacity_bytes == _optimizer_parts(row, "host") + _optimizer_parts(row, "reserved")
         assert stats.swap_capacity_bytes == _optimizer_parts(row, "nvme")
         if opt == "cpu":  # every region in host memory: the pool is exactly what the regions take
             assert stats.host_pool_used_bytes == stats.host_pool_capacity_bytes
