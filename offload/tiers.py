@@ -1,11 +1,11 @@
-"""Open the tier the optimizer state lives in: the embedded ``TierStore`` or the node daemon.
+"""Open a tier from its plan (``offload.plan``): the embedded ``TierStore`` or a node daemon session.
 
-Both speak the same verbs (``allocate``, ``host_view``, ``mark_dirty``, ``prefetch`` /
+The optimizer state's tier and stage 3's param shards' are opened here. Both kinds speak the same verbs (``allocate``, ``host_view``, ``mark_dirty``, ``prefetch`` /
 ``wait_for_prefetch``, ``evict`` / ``wait_for_evict``, ``free``, ``stats``, ``close``), so
 nothing above this module knows which one it has. The daemon is used when the config's
 ``offload.daemon_socket`` or ``OFFLOAD_DAEMON_SOCKET`` names one; otherwise the store runs
-inside this process (nothing to start): host only for ``offload_optimizer: cpu``, with a
-swap file under ``nvme_path`` for nvme.
+inside this process (nothing to start): host only for ``cpu``, with a swap file under
+``nvme_path`` for ``nvme``.
 """
 from __future__ import annotations
 

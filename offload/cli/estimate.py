@@ -148,7 +148,8 @@ def _with_daemon_pool(inp: EstimateInput, cfg: Any) -> tuple[EstimateInput, str]
         pool = read_pool(socket)
     except POOL_ERRORS as exc:
         return inp, (f"the daemon at {socket} could not be read ({exc}): the optimizer state window is taken at "
-                     "buffer_count blocks, and gradient_tier auto judged by this machine's memory")
+                     "buffer_count blocks, and gradient_tier auto keeps the accumulators in host memory, as the "
+                     "engine does when it cannot read the pool")
     ranks = inp.node_ranks
     return dataclasses.replace(inp, daemon_pool=pool), (
         f"through the daemon at {socket}: {pool.describe()}; a rank's share, 1/{POOL_SHARE} of it over {ranks} "

@@ -7,12 +7,13 @@ moments; Psi parameters, N ranks):
     stage 0: (2c + 12) Psi      stage 1: 2c Psi + 12 Psi / N
     stage 2: c Psi + (c + 12) Psi / N      stage 3: (2c + 12) Psi / N
 
-and what this engine holds, where, from its own buffers (``offload.builder``):
-- stages 0-2: the flat params and the flat gradients (``c`` each, whole model), the fp32
-  gradient accumulators of the rank's partition (4 bytes) and its state blocks (12 bytes):
-  on the device (offload none), in the tier's host pool (cpu), or on NVMe with
-  ``offload_optimizer.buffer_count`` sub-groups of state in the pool (nvme); sub-groups are
-  capped at ``OFFLOAD_SUB_GROUP_CAP`` elements when offloaded;
+and what this engine holds, where. The model is laid out as the engine lays it out (its params'
+shapes and stage 3's units, ``offload.plan.memory.flat_layout``), and the tiers' regions are the
+memory plan's, the very plan the builder opens them from ([Note: memory plan] in offload.plan.memory):
+- stages 0-2: the flat params and the flat gradients (``c`` each, whole model) on the device, and the
+  optimizer's tier: the gradient accumulators of the rank's partition and its state blocks on the
+  device (offload none), in the tier's host pool (cpu), or on NVMe with a window of them in the pool
+  (nvme); with a daemon, the session's commit region and undo log (or undo copy) beside them;
 - stage 3: the compute-dtype shards of the partition (device, host pool, or NVMe with
   ``offload_param.buffer_count`` pool segments each as large as the largest shard); the
   gathered units (the persistent ones plus at most max(``stage3_max_live_parameters``, the
@@ -370,7 +371,7 @@ def _stage3(optimizer: str, param: str, inp: EstimateInput) -> tuple[list, tuple
         if shards.nvme:
             parts += [("param shards in flight (buffer_count segments)", "host", shards.resident_bytes),
                       ("param shards", "nvme", shards.swap_bytes),
-                      ("rest of the shards' swap file", "nvme", shards.swap_capacity_bytes - shards.swap_bytes)]
+                      ("rest of the shards' swap file (whole stripes)", "nvme", shards.swap_capacity_bytes - shards.swap_bytes)]
         else:
             parts.append(("param shards", "host", shards.resident_bytes))
         sessions.append(_session_bytes(shards, inp))

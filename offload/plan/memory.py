@@ -25,6 +25,7 @@ cannot be read gets the window's floor. The builder opens its tiers from these p
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from typing import Any, Sequence
 
@@ -42,7 +43,7 @@ from swap.space import DEFAULT_STRIPE_BYTES
 logger = logging.getLogger(__name__)
 
 __all__ = ["COMMIT_PART", "GRADS_ON_NVME_PART", "OFFLOAD_SUB_GROUP_CAP", "UNDO_COPY_PART", "UNDO_LOG_PART",
-           "WINDOW_PART", "OptimizerPlan", "OptimizerSettings", "Region", "engine_optimizer_plan",
+           "WINDOW_PART", "OptimizerPlan", "OptimizerSettings", "Place", "Region", "engine_optimizer_plan",
            "flat_layout", "plan_optimizer", "plan_params", "session_fixed_bytes", "sub_group_numel"]
 
 OFFLOAD_SUB_GROUP_CAP = 1 << 22
@@ -55,18 +56,25 @@ COMMIT_PART = "commit region (daemon)"
 UNDO_LOG_PART = "undo log (daemon)"
 UNDO_COPY_PART = "undo copy of the largest state block (daemon)"
 
-HOST, NVME, DAEMON, RESERVED = "host", "nvme", "daemon", "reserved"
-"""Where a region lives: host memory (the embedded store's pool or the daemon session's segments), the
-swap files, host memory held only when a node daemon serves the session, or address space of the pool
-that nothing touches (no memory until it is)."""
+class Place(enum.StrEnum):
+    """Where a region of the plan lives, and who owns that memory."""
+
+    DEVICE = "device"  # the model's device (a GPU's memory; the CPU's own without one): torch's allocator
+    HOST = "host"  # host memory: the embedded store's pool, or the daemon session's segments
+    NVME = "nvme"  # the swap files under nvme_path (the daemon's own swap paths through a daemon)
+    DAEMON = "daemon"  # host memory a node daemon's session holds; none without one
+    RESERVED = "reserved"  # address space of the embedded pool that nothing touches: no memory until it is
+
+
+HOST, NVME, DAEMON, RESERVED = Place.HOST, Place.NVME, Place.DAEMON, Place.RESERVED
 
 
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """One line of the plan: what, where (``HOST``, ``NVME``, ``DAEMON``, or "device"), how many bytes."""
+    """One line of the plan: what, where, how many bytes."""
 
     what: str
-    where: str
+    where: Place
     nbytes: int
 
 
@@ -187,7 +195,7 @@ class OptimizerPlan:
             out.append(Region("rest of the pool (offload.host_memory_bytes; its pages untouched)", RESERVED,
                               tier.host_capacity_bytes - tier.resident_bytes))
         if tier.swap_capacity_bytes > tier.swap_bytes:
-            out.append(Region("rest of the swap (offload.swap_capacity_bytes)", NVME,
+            out.append(Region("rest of the swap file (whole stripes; offload.swap_capacity_bytes)", NVME,
                               tier.swap_capacity_bytes - tier.swap_bytes))
         where = HOST if s.daemon else DAEMON  # [Note: memory plan]: counted in a daemon's sizes either way
         out.append(Region(COMMIT_PART, where, COMMIT_BYTES))

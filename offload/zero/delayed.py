@@ -24,7 +24,7 @@ rebuilds from them are one update ahead of those this process computed with), an
 Collectives (the params' all-gather over ranks) stay on the training thread, in publish,
 so every rank issues them in the same order.
 
-Its effect on the loss: the README's table ("GPU path and the delayed update"), from
+Its effect on the loss (``tools/bench/results/dpu-loss_2core-kvm_202611.md``), from
 ``tools/bench/bench_dpu_loss.py --steps 300 --warmup 20|100 --every 30``: the demo GPT at
 lr 3e-3, ordinary against delayed after 20 / 100 steps, mean loss over steps 271-300
 2.097 / 2.608 / 2.442, held-out 2.053 / 2.604 / 2.427 (at lr 1e-3, warm-up 100: held-out

@@ -163,6 +163,7 @@ def test_estimate_follows_the_state_bytes(state_dtype, per):
     n, mi = 10 << 20, 1 << 20
     row = estimate(EstimateInput(shapes=shapes_from_count(n, largest_layer=mi), compute_bytes=4,
                                  state_dtype=state_dtype, master_dtype="bf16")).row(stage=2, optimizer="nvme")
-    assert row.nvme_bytes == per * n
+    states = sum(b for what, where, b in row.parts if where == "nvme" and "master + moments" in what)
+    assert states == per * n and row.nvme_bytes == -(-states // (1 << 20)) * (1 << 20)  # the swap file: whole stripes
     assert row.host_bytes == 4 * n + per * n
     assert any(what.startswith("bf16 master + moments") for what, _, _ in row.parts)

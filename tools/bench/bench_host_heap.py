@@ -34,7 +34,8 @@ MIB = 1 << 20
 def _worker(contender: str, steps: int, dim: int, layers: int) -> dict:
     import torch
 
-    from offload.runtime import host_heap, initialize
+    from offload import initialize
+    from offload.runtime import host_heap
     from offload.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
