@@ -20,19 +20,19 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from csrc import ConfigError, StateTornError
-from offload.config.client_optimizer import read_client_optimizer
+from offload.checkpoint.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session,
+                                       open_undo, roll_back, step_multiplier, undo_exists, undo_slots)
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
+from offload.config.client_optimizer import read_client_optimizer
+from offload.config.schedulers import build_scheduler
 from offload.engine import Engine, RankInfo
-from offload.hf.model_init import InitStep, plan_steps
 from offload.hf.init_context import init_fn_of, init_record_of
-from offload.runtime.omp_wait import quiet_omp_waits
 from offload.hf.load import pending_load_of
+from offload.hf.model_init import InitStep, plan_steps
+from offload.plan.memory import OptimizerPlan, engine_optimizer_plan, flat_layout, sub_group_numel
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
-from offload.checkpoint.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session, open_undo,
-                            roll_back, step_multiplier, undo_exists, undo_slots)
-from offload.config.schedulers import build_scheduler
-from offload.plan.memory import OptimizerPlan, engine_optimizer_plan, flat_layout, sub_group_numel
+from offload.runtime.omp_wait import quiet_omp_waits
 from offload.tiers import Tier, open_tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -47,11 +47,6 @@ from offload.zero.unit_grads import UnitGradReducer
 logger = logging.getLogger(__name__)
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize"]
-
-# [Note: sub-group cap] A state block is 12 bytes per element and moves as one region, so
-# an offloaded sub-group is capped at 4 Mi elements (48 MiB): NVMe I/O of one block then
-# overlaps the step of another, and every block fits a daemon segment. DeepSpeed's default
-# sub_group_size (1e9) would otherwise make the whole partition one unpipelined block.
 
 
 def add_config_arguments(parser):

@@ -47,8 +47,12 @@ __all__ = ["COMMIT_PART", "GRADS_ON_NVME_PART", "OFFLOAD_SUB_GROUP_CAP", "UNDO_C
            "flat_layout", "plan_optimizer", "plan_params", "session_fixed_bytes", "sub_group_numel"]
 
 OFFLOAD_SUB_GROUP_CAP = 1 << 22
-"""Offloaded sub-groups hold at most this many elements (48 MiB of fp32 state): the unit of NVMe I/O
-and of the CPU step's overlap, whatever ``sub_group_size`` says."""
+"""Offloaded sub-groups hold at most this many elements, whatever ``sub_group_size`` says ([Note: sub-group cap])."""
+
+# [Note: sub-group cap] A state block is 12 bytes per element and moves as one region, so
+# an offloaded sub-group is capped at 4 Mi elements (48 MiB): NVMe I/O of one block then
+# overlaps the step of another, and every block fits a daemon segment. DeepSpeed's default
+# sub_group_size (1e9) would otherwise make the whole partition one unpipelined block.
 
 GRADS_ON_NVME_PART = "fp32 gradient accumulators (offload.gradient_tier nvme)"
 WINDOW_PART = "state window (host budget, buffer_count at least)"
