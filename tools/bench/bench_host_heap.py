@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps < 12:
         ap.error("--steps must be >= 12 (figures are read after step 10)")
-    from bench_step import _load, publish
+    from step_common import _load, publish
 
     rows: dict[str, dict[str, list[float]]] = {c: {} for c in CONTENDERS}
     for r in range(args.rounds):
