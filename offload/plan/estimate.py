@@ -42,6 +42,7 @@ from csrc import ConfigError
 from offload.plan.memory import OptimizerSettings, Region, flat_layout, plan_optimizer, plan_params, sub_group_numel
 from offload.zero.layout import FlatLayout
 from offload.zero.overlap import copies_that_fit, overlap_wanted
+from offload.zero.state_format import StateFormat
 
 logger = logging.getLogger(__name__)
 
@@ -296,17 +297,6 @@ def zero_formula_bytes(stage: int, params: int, world_size: int, compute_bytes: 
     raise ConfigError(f"stage must be 0-3, got {stage}")
 
 
-def state_block_bytes(numel: int, state_dtype: str, master_dtype: str = "fp32") -> int:
-    """A sub-group's state block (``offload.zero.state_format``), its pieces taken as one tensor: each
-    further piece of a sub-group may add one int8 block's two scales (8 bytes)."""
-    master = 2 if master_dtype == "bf16" else 4
-    if state_dtype == "bf16":
-        return (master + 4) * numel
-    if state_dtype == "int8":
-        return -(-(master + 2) * numel // 4) * 4 + 8 * -(-numel // 256)
-    return 12 * numel
-
-
 def _parts(regions: Iterable[Region]) -> list[tuple[str, str, int]]:
     return [(r.what, r.where, r.nbytes) for r in regions]
 
@@ -337,12 +327,11 @@ def _staged_update_parts(stage: int, layout: FlatLayout, optimizer: str, inp: Es
     parts = []
     if inp.gpu or inp.delayed_update or overlap:
         parts.append(("param staging (compute dtype)", "host", inp.compute_bytes * layout.partition_numel))
-    if overlap and optimizer == "cpu":
-        numels = [sg.numel for sg in layout.sub_groups]
-        copies = min(len(numels), copies_that_fit(numels))
-        parts.append(("rollback copies (offload.overlap_step)", "host",
-                      sum(state_block_bytes(k, inp.state_dtype, inp.master_dtype)
-                          for k in sorted(numels, reverse=True)[:copies])))
+    if overlap and optimizer == "cpu":  # a copy of each state block stepped early, the largest first
+        fmt = StateFormat(inp.state_dtype, inp.master_dtype)
+        sgs = sorted(layout.sub_groups, key=lambda sg: sg.numel, reverse=True)
+        copies = min(len(sgs), copies_that_fit([sg.numel for sg in sgs]))
+        parts.append(("rollback copies (offload.overlap_step)", "host", sum(fmt.state_bytes(sg) for sg in sgs[:copies])))
     return parts
 
 

@@ -176,7 +176,7 @@ class OptimizerPlan:
     """The least window: ``buffer_count``, or with the gradient tier on NVMe the sub-groups one bucket
     lands into, plus one."""
     fixed_bytes: int
-    """What the tier holds in host memory whatever the window: the resident accumulators."""
+    """What the tier holds in host memory whatever the window (nvme): the resident accumulators."""
 
     def regions(self) -> list[Region]:
         """What the tier holds where, for ``offload estimate``: the host side adds up to what the store is
@@ -213,7 +213,8 @@ class OptimizerPlan:
             raise ConfigError(f"offload.host_memory_bytes ({self.settings.host_memory_bytes}) is below the "
                               f"{tier.resident_bytes} bytes the optimizer state needs in host memory at once; raise it "
                               "or lower sub_group_size")
-        if tier.swap_capacity_bytes and tier.swap_capacity_bytes < tier.swap_bytes:
+        swap = self.settings.swap_capacity_bytes  # as configured: the file is then rounded up to whole stripes
+        if self.settings.nvme and not self.settings.daemon and swap is not None and swap < tier.swap_bytes:
             raise ConfigError(f"offload.swap_capacity_bytes ({self.settings.swap_capacity_bytes}) is below the "
                               f"{tier.swap_bytes} bytes of optimizer state to place on NVMe")
 
@@ -279,12 +280,13 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
         s.gradient_tier, stage=s.stage, optimizer_nvme=s.nvme, partition_numel=numel, budget=budget, log=log,
         host_memory_bytes=s.host_memory_bytes, grad_itemsize=s.grad_itemsize)
     floor = _floor(layout, s.buffer_count, grads_nvme)
-    window = s.buffer_count
+    window, fixed = s.buffer_count, 0
     if s.nvme:
         bare = _tier(layout, s, window=0, grads_nvme=grads_nvme)
+        fixed = bare.resident_bytes  # what stays resident with no block held: the accumulators (none on NVMe)
         if s.through_pool and pool is not None:
             window, got = pool.window(bare.state_bytes, floor=floor, local_ranks=local_ranks,
-                                      fixed_bytes=bare.resident_bytes + bare.session_fixed_bytes,
+                                      fixed_bytes=fixed + bare.session_fixed_bytes,
                                       largest_region_bytes=max(bare.region_bytes, default=0))
             if log:
                 logger.info("optimizer state window: %d of %d blocks in host memory (buffer_count %d; budget %.2f GB: "
@@ -295,10 +297,9 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
             if log:
                 logger.info("optimizer state window: %d (buffer_count; the daemon's pool could not be read)", floor)
         else:
-            window = window_size(bare.state_bytes, floor=floor, fixed_bytes=bare.resident_bytes,
+            window = window_size(bare.state_bytes, floor=floor, fixed_bytes=fixed,
                                  host_memory_bytes=s.host_memory_bytes, what="optimizer state", log=log)
     tier = _tier(layout, s, window=window, grads_nvme=grads_nvme)
-    fixed = 0 if grads_nvme or not s.nvme else sum(align_up(b, PAGE) for b in tier.region_bytes[:len(tier.region_bytes) // 2])
     return OptimizerPlan(settings=s, tier=_sized(tier, s), window=window, grads_nvme=grads_nvme, floor=floor,
                          fixed_bytes=fixed)
 
@@ -323,7 +324,7 @@ def engine_optimizer_plan(cfg: Any, layout: FlatLayout, *, log: bool = True) -> 
 def _sized(tier: TierPlan, s: OptimizerSettings) -> TierPlan:
     """The host and swap capacities the tier is opened with: ``host_memory_bytes`` (whole slots in the
     embedded pool, [Note: one slot a region]) or the resident bytes; ``swap_capacity_bytes`` or the swap
-    the state needs. Either below what the plan needs is an error that names it."""
+    the state needs (either below what the plan needs: ``OptimizerPlan.check``)."""
     host = s.host_memory_bytes or tier.resident_bytes
     if tier.slot_bytes and not s.daemon:
         host = max(tier.resident_bytes, host // tier.slot_bytes * tier.slot_bytes)

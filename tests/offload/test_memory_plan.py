@@ -15,10 +15,8 @@ from offload import initialize
 from offload.config import read_config
 from offload.plan.daemon_pool import read_pool
 from offload.plan.estimate import EstimateInput, estimate, shapes_from_model
-from swap import align_up
 from tests.daemon.conftest import STORE, start_daemon
 
-PAGE = 4096
 # the optimizer tier's parts of a row; the rest are the model's device, stage 3's shards and the update's staging
 NOT_OPTIMIZER = ("param shards", "rest of the shards", "param staging", "rollback copies", "process")
 
@@ -146,3 +144,17 @@ def test_a_daemon_session_is_lent_what_the_estimate_prints(tmp_path, monkeypatch
             engine.close()
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize("key,value,what", [("host_memory_bytes", 64 << 10, "needs in host memory at once"),
+                                            ("swap_capacity_bytes", 64 << 10, "of optimizer state to place on NVMe")])
+def test_a_capacity_below_the_plan_is_an_error_that_names_it(tmp_path, monkeypatch, key, value, what):
+    """offload.host_memory_bytes below what the window needs at once, or offload.swap_capacity_bytes below the
+    state (though the swap file would round it up to a whole stripe), refused at initialize, naming the key."""
+    from csrc import ConfigError
+
+    monkeypatch.delenv("OFFLOAD_DAEMON_SOCKET", raising=False)
+    config = _config(tmp_path, stage=2, opt="nvme")
+    config["offload"][key] = value
+    with pytest.raises(ConfigError, match=f"offload.{key} \\({value}\\) is below .* {what}"):
+        initialize(model=_model(), config=config)
