@@ -22,6 +22,7 @@ __all__ = [
     "QuotaExceededError",
     "SessionError",
     "StateTornError",
+    "RendezvousError",
     "raise_errno",
 ]
 
@@ -77,6 +78,11 @@ class SessionError(OffloadError):
 class StateTornError(SessionError):
     """A trainer died inside an optimizer step: the state its session holds is inconsistent and is
     never resumed from (load the last checkpoint instead)."""
+
+
+class RendezvousError(OffloadError, TimeoutError):
+    """The ranks of a job did not meet to form their process group in time; the message names what
+    this rank waited for (which ranks, which store, for how long)."""
 
 
 def raise_errno(rc: int, what: str) -> None:

@@ -29,23 +29,13 @@ import aiofiles.os
 import aiofiles.ospath
 
 from csrc.errors import SwapIOError
+from swap.space import swap_file_owner_alive
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SwapClaim"]
 
 _LOCK = re.compile(r"ofl-daemon-(\d+)\.lock$")
-_OLD_SWAP = re.compile(r"ofl-swap-(\d+)-[0-9a-f]+\.bin$")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _flock = aiofiles.os.wrap(fcntl.flock)  # the guard may wait for another daemon's claim
@@ -151,11 +141,9 @@ class SwapClaim:
                     freed = await _remove_tree(stale)
                     logger.warning("swept %s, left by a daemon that is gone (%d bytes)", stale, freed)
                 await aiofiles.os.unlink(full)
-            else:
-                old = _OLD_SWAP.match(name)
-                if old and not _pid_alive(int(old.group(1))):
-                    await aiofiles.os.unlink(full)
-                    logger.warning("swept %s, left by process %s that is gone", full, old.group(1))
+            elif swap_file_owner_alive(name) is False:
+                await aiofiles.os.unlink(full)
+                logger.warning("swept %s, left by a process that is gone", full)
         for name in await aiofiles.os.listdir(path):  # a directory whose lock file is gone: left by a crash mid-claim
             m = re.match(r"ofl-daemon-(\d+)$", name)
             if m and int(m.group(1)) not in taken and await aiofiles.ospath.isdir(os.path.join(path, name)):

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from csrc import ConfigError, StateTornError
+from csrc import ConfigError, RendezvousError, StateTornError
 from offload.checkpoint.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session,
                                        open_undo, roll_back, step_multiplier, undo_exists, undo_slots)
-from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id
+from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id, resolve_resume
 from offload.config.client_optimizer import read_client_optimizer
 from offload.config.schedulers import build_scheduler
-from offload.engine import Engine, RankInfo
+from offload.engine import Engine, RankInfo, close_at_exit
 from offload.hf.init_context import init_fn_of, init_record_of
 from offload.hf.load import pending_load_of
 from offload.hf.model_init import InitStep, plan_steps
@@ -33,6 +33,7 @@ from offload.plan.memory import OptimizerPlan, engine_optimizer_plan, flat_layou
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
 from offload.runtime.omp_wait import quiet_omp_waits
+from offload.runtime.rendezvous import attempt_store, open_job_store
 from offload.tiers import Tier, open_tier
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -45,6 +46,9 @@ from offload.zero.states import StateStorage
 from offload.zero.unit_grads import UnitGradReducer
 
 logger = logging.getLogger(__name__)
+
+DIST_INIT_TIMEOUT_SECONDS = 600.0
+"""How long ``init_distributed`` waits for the other ranks of this attempt to meet it."""
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize"]
 
@@ -100,9 +104,14 @@ def _note_inert_settings(config: EngineConfig) -> None:
         logger.info("accepted, no effect here: %s", item)
 
 
-def init_distributed(dist_backend: str | None = None) -> None:
+def init_distributed(dist_backend: str | None = None, timeout_seconds: float | None = None) -> None:
     """Join the ranks torchrun started (NCCL with GPUs, gloo without); a no-op for one process
-    or when torch.distributed is already initialized."""
+    or when torch.distributed is already initialized.
+
+    Under torchrun the ranks meet in a namespace of the job's store of their own attempt ([Note: attempt
+    generation]), so a job restarted after a lost rank forms its group again on every node. The meeting is
+    bounded by ``timeout_seconds`` (default ``OFFLOAD_INIT_TIMEOUT_SECONDS``, else 600 s); past it,
+    ``RendezvousError`` names what this rank waited for. The group's collectives keep torch's timeout."""
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -116,19 +125,24 @@ def init_distributed(dist_backend: str | None = None) -> None:
     # default argument, is imported before the group exists (the first optimizer imports it,
     # through dynamo, otherwise).
     importlib.import_module("torch.distributed.nn")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or "MASTER_ADDR" not in os.environ:
+    if timeout_seconds is None:
+        timeout_seconds = float(os.environ.get("OFFLOAD_INIT_TIMEOUT_SECONDS", DIST_INIT_TIMEOUT_SECONDS))
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend=backend)
         return
-    # [Note: restart store prefix] After torchrun restarts a worker group, the store can still hold
-    # the previous attempt's peer addresses; a fast rank read them before the slow one overwrote
-    # them and gloo gave up connecting to a dead port. Keys under a per-attempt prefix avoid that.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not agent_store, multi_tenant=not agent_store)
-    store = dist.PrefixStore(f"offload/attempt{restart}", base)
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    base = open_job_store(host, port, world, rank=rank, timeout_seconds=timeout_seconds,
+                          agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    attempt = attempt_store(base, rank, world, timeout_seconds=timeout_seconds)
+    try:
+        dist.init_process_group(backend=backend, store=attempt.store, rank=rank, world_size=world)
+    except RuntimeError as exc:  # gloo's connect to a peer of this generation
+        raise RendezvousError(
+            f"rank {rank}: the {backend} process group of generation {attempt.generation} (store "
+            f"{host}:{port}) did not form: {str(exc).splitlines()[0][:300]}") from exc
+    logger.info("rank %d joined generation %d of the job's store (torchrun restart %s on this node)", rank,
+                attempt.generation, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _ranks() -> RankInfo:
@@ -372,7 +386,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             else:
                 engine.commit.commit(engine.global_steps, engine.small_state())
             engine.resumed_step = engine.global_steps
-            logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded%s)",
+            logger.warning("rank %d resumed from the daemon at step %d in %.2f s (no checkpoint loaded%s; "
+                           "offload.resume \"never\" or OFFLOAD_RESUME=never starts fresh instead)",
                            ranks.rank, engine.global_steps, time.perf_counter() - t0,
                            "; the step it was killed in finished from its committed inputs" if verdict == FINISH
                            else "; the overlapped step it was killed in under backward undone" if verdict == ROLLBACK
@@ -388,6 +403,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             parts.close()
         raise
     engine_box.append(engine)
+    close_at_exit(engine)  # [Note: close at exit] in offload.engine
     return engine, facade, loader, scheduler
 
 
@@ -402,6 +418,15 @@ def _open_tier(cfg: EngineConfig, plan: OptimizerPlan, ranks: RankInfo):
     tier = open_()
     if not tier.daemon:
         return tier, FRESH, None, None
+    job = resolve_job_id(cfg.offload)
+    if getattr(tier.store, "reattached", False) and resolve_resume(cfg.offload) == "never":
+        tier.close()  # the session a killed run left: dropped, as asked
+        tier = open_()
+        logger.warning("rank %d: the daemon held a session of job %r from a run that did not end normally; "
+                       "dropped (offload.resume \"never\"): starting fresh", ranks.rank, job)
+        return tier, FRESH, None, None
+    if not getattr(tier.store, "reattached", False):
+        logger.info("rank %d: starting fresh (the daemon holds no session of job %r)", ranks.rank, job)
     try:
         verdict, step, payload, commit = inspect_session(tier.store)
         pending = payload is not None and "pending" in payload

@@ -8,11 +8,14 @@ DeepSpeed's engine run with the import changed.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
 import math
+import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -32,7 +35,31 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineStats", "RankInfo"]
+__all__ = ["Engine", "EngineStats", "RankInfo", "close_at_exit"]
+
+# [Note: close at exit] A script's normal end is the end of its job: DeepSpeed scripts never call close(), so
+# the engines a process built and did not close are closed when the interpreter exits (their swap files
+# removed, their daemon sessions finished, so that running the script again starts fresh). An end by an
+# exception nobody caught is a crash: the daemon session is kept for a restart (torchrun's, within the
+# daemon's reattach grace), as it is for a kill or SIGTERM; the swap files of an embedded store go either way
+# (nothing resumes from them).
+_OPEN_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def close_at_exit(engine: "Engine") -> None:
+    """Close ``engine`` when the interpreter exits, unless it was closed before ([Note: close at exit])."""
+    _OPEN_ENGINES.add(engine)
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    crashed = getattr(sys, "last_value", None) is not None  # set by the interpreter for an uncaught exception
+    for engine in list(_OPEN_ENGINES):
+        try:
+            engine.close(keep_session=crashed)
+        except Exception as exc:  # the exit goes on: say what was left
+            logger.warning("rank %d: closing the engine at exit failed: %s: %s", engine.global_rank,
+                           type(exc).__name__, exc)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -430,8 +457,9 @@ class Engine:
             saved = checkpoint_step(path)
             if saved <= self.global_steps:
                 logger.warning("rank %d: kept the state resumed from the daemon (step %d) over checkpoint %s "
-                               "(step %d, older); load_checkpoint(..., force=True) loads it anyway",
-                               self.global_rank, self.global_steps, path, saved)
+                               "(step %d, %s); load_checkpoint(..., force=True) loads it anyway",
+                               self.global_rank, self.global_steps, path, saved,
+                               "the same step" if saved == self.global_steps else "older")
                 return path, dict(self.client_state)
         if self.delayed is not None:
             self.delayed.discard()  # its params would overwrite the loaded ones
@@ -467,6 +495,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        _OPEN_ENGINES.discard(self)
         if self.delayed is not None:
             self.delayed.close()
         if self.overlap is not None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
-import tempfile
 from typing import Any
 
 from offload.plan.tier_plan import PAGE, TierPlan
+from offload.runtime.swap_dirs import SwapDir, claim_swap_dir
 from swap import IoEngineConfig, TierStore, TierStoreConfig, align_up
 
 logger = logging.getLogger(__name__)
@@ -29,7 +28,8 @@ class Tier:
 
     store: Any
     description: str
-    swap_dir: str | None = None
+    swap_dir: SwapDir | None = None
+    """The embedded store's swap directory, held while the tier is open ([Note: engine swap directories])."""
     daemon: bool = False
     registration: Any = None
     """``offload.gpu.HostRegistration`` of the store's segments (a GPU model), undone before the store closes."""
@@ -38,7 +38,7 @@ class Tier:
     def placement(self) -> str:
         """Where the tier keeps its bytes, for the one log line that says so: the daemon's socket and
         session, or the store and its swap files' directory."""
-        return f"{self.description}, swap files in {self.swap_dir}" if self.swap_dir else self.description
+        return f"{self.description}, swap files in {self.swap_dir.path}" if self.swap_dir else self.description
 
     def register_with_cuda(self, api: Any = "torch") -> None:
         """Register the store's host segments with CUDA once (a no-op without CUDA); ``api`` is injectable."""
@@ -57,7 +57,7 @@ class Tier:
         else:
             self.store.close()
         if self.swap_dir is not None:
-            shutil.rmtree(self.swap_dir, ignore_errors=True)
+            self.swap_dir.release()
             self.swap_dir = None
 
 
@@ -84,15 +84,15 @@ def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: i
                                  segment_bytes=plan.segment_bytes, config=config, slot_bytes=plan.slot_bytes,
                                  huge_pages=huge_pages)
         return Tier(store, "embedded TierStore (host memory)")
-    swap_dir = tempfile.mkdtemp(prefix=f"offload-rank{rank}-", dir=plan.nvme_path)
+    swap_dir = claim_swap_dir(plan.nvme_path, rank)  # dead engines' directories swept first
     try:
         engine_config = IoEngineConfig(block_size_bytes=aio.block_size, queue_depth=aio.queue_depth,
-                                       num_threads=aio.intra_op_parallelism, probe_paths=(swap_dir,))
-        store = TierStore.create(host_capacity_bytes=host_bytes, swap_paths=[swap_dir],
+                                       num_threads=aio.intra_op_parallelism, probe_paths=(swap_dir.path,))
+        store = TierStore.create(host_capacity_bytes=host_bytes, swap_paths=[swap_dir.path],
                                  swap_capacity_bytes=plan.swap_capacity_bytes or align_up(plan.swap_bytes, PAGE),
                                  engine_config=engine_config, segment_bytes=plan.segment_bytes, config=config,
                                  slot_bytes=plan.slot_bytes, huge_pages=huge_pages)
     except BaseException:
-        shutil.rmtree(swap_dir, ignore_errors=True)
+        swap_dir.release()
         raise
     return Tier(store, f"embedded TierStore ({store.engine.name}, swap in {plan.nvme_path})", swap_dir)

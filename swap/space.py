@@ -19,6 +19,7 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import threading
 import uuid
 from typing import NamedTuple
@@ -29,7 +30,25 @@ from swap.extents import ExtentAllocator, align_up
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Placement", "SwapFile", "SwapSpace", "SwapSpaceConfig"]
+__all__ = ["Placement", "SwapFile", "SwapSpace", "SwapSpaceConfig", "swap_file_owner_alive"]
+
+_SWAP_FILE = re.compile(r"ofl-swap-(\d+)-[0-9a-f]+\.bin$")
+
+
+def swap_file_owner_alive(name: str) -> bool | None:
+    """Whether the process that made the swap file ``name`` (``ofl-swap-<pid>-<hex>.bin``) still runs; None
+    for a name that is not a swap file's. (Its pid may since name another process: then True, and the file
+    is kept.)"""
+    match = _SWAP_FILE.match(name)
+    if match is None:
+        return None
+    try:
+        os.kill(int(match.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 DEFAULT_STRIPE_BYTES = 1 << 20

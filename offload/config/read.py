@@ -43,10 +43,11 @@ from offload.config.sections import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [*config_sections.__all__, "read_config", "resolve_daemon_socket", "resolve_job_id"]
+__all__ = [*config_sections.__all__, "read_config", "resolve_daemon_socket", "resolve_job_id", "resolve_resume"]
 
 DAEMON_SOCKET_ENV = "OFFLOAD_DAEMON_SOCKET"
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
+RESUME_ENV = "OFFLOAD_RESUME"
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 _logged: set[str] = set()  # "ignored:<dotted>" / "deprecated:<dotted>", each logged once per process
@@ -95,6 +96,14 @@ def resolve_daemon_socket(section: OffloadSectionConfig, environ: Mapping[str, s
 def resolve_job_id(section: OffloadSectionConfig, environ: Mapping[str, str] = os.environ) -> str:
     """The job id: the config's, else torchrun's $TORCHELASTIC_RUN_ID, else "default"."""
     return section.job_id or environ.get(RUN_ID_ENV) or "default"
+
+
+def resolve_resume(section: OffloadSectionConfig, environ: Mapping[str, str] = os.environ) -> str:
+    """Whether a start resumes from a session the daemon kept: $OFFLOAD_RESUME, else offload.resume."""
+    value = environ.get(RESUME_ENV, "").strip().lower()
+    if value and value not in ("auto", "never"):
+        raise ConfigError(f'${RESUME_ENV} is {environ[RESUME_ENV]!r}: expected "auto" or "never"')
+    return value or section.resume
 
 
 # ---- loading -----------------------------------------------------------------------------

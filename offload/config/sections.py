@@ -371,6 +371,10 @@ class OffloadSectionConfig:
     """Unix socket of the node daemon; None: $OFFLOAD_DAEMON_SOCKET, else the embedded store."""
     job_id: str | None = None
     """Job id the daemon keys sessions by; None: torchrun's $TORCHELASTIC_RUN_ID, else "default"."""
+    resume: str = "auto"
+    """With a daemon: "auto" resumes from the session a killed or preempted run of this job left there
+    (a script that ended normally or by close() left none), "never" drops such a session and starts fresh.
+    $OFFLOAD_RESUME, when set, overrides it."""
     host_memory_bytes: int | None = None
     """Host memory budget of the tier; None: sized from the model (with nvme, from a share of the
     memory available)."""
@@ -428,6 +432,8 @@ class OffloadSectionConfig:
             _fail(self, "gradient_tier", '"auto", "host" or "nvme"')
         if self.huge_pages not in ("auto", "off"):
             _fail(self, "huge_pages", '"auto" or "off"')
+        if self.resume not in ("auto", "never"):
+            _fail(self, "resume", '"auto" or "never"')
 
 
 @dataclass(frozen=True, kw_only=True)

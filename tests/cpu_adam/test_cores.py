@@ -77,6 +77,14 @@ def test_cgroup_v2_quota_is_the_tightest_along_the_path(tmp_path):
     assert usable_cores(environ={}, cgroup_root=root2, proc_cgroup="0::/job\n") == 1
 
 
+@pytest.mark.parametrize("parent,child", [("50000 100000", "300000 100000"), ("300000 100000", "50000 100000")])
+def test_a_tight_quota_wins_over_a_loose_one_above_or_below_it(tmp_path, parent, child):
+    """Two quotas along the path, the tight one (0.5 CPU) in the parent or in the child: 0.5 applies."""
+    root = _tree(tmp_path, {"job/cpu.max": parent + "\n", "job/rank0/cpu.max": child + "\n"})
+    assert cgroup_cpu_limit(root, "0::/job/rank0\n") == pytest.approx(0.5)
+    assert usable_cores(environ={}, cgroup_root=root, proc_cgroup="0::/job/rank0\n") == 1
+
+
 def test_cgroup_v1_quota(tmp_path):
     root = _tree(tmp_path, {"cpu,cpuacct/slice/cpu.cfs_quota_us": "50000\n",
                             "cpu,cpuacct/slice/cpu.cfs_period_us": "100000\n"})

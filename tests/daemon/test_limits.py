@@ -275,3 +275,27 @@ def test_an_idle_connection_is_closed_and_tierclient_reattaches_by_itself(daemon
     c.wait_for_prefetch(c.prefetch(["x"]), timeout_seconds=20)
     assert bytes(c.host_view("x")) == b"z" * 4096
     c.close()
+
+
+def test_the_held_back_count_is_the_lines_held_in_the_window_before(monkeypatch):
+    """RateLimitedLog: a line logged says how many like it were held back since the last one logged, not since
+    the first; a window that held none back says nothing."""
+    from types import SimpleNamespace
+
+    from daemon import admission
+
+    now = [0.0]
+    monkeypatch.setattr(admission, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    logged = []
+    log = admission.RateLimitedLog(SimpleNamespace(warning=lambda msg, *args: logged.append(msg % args)))
+    every = admission.LOG_EVERY_SECONDS
+    for t, held in ((0.0, 3), (every, 1), (2 * every, 0), (3 * every, 0)):  # logged at t, `held` more before t + every
+        for i in range(held + 1):
+            now[0] = t + i * every / (held + 2)
+            log.warning("refuse", "refused %d", int(t))
+    assert logged == [
+        "refused 0",
+        f"refused {int(every)} (3 more like this in the last {every:.0f} s)",
+        f"refused {int(2 * every)} (1 more like this in the last {every:.0f} s)",
+        f"refused {int(3 * every)}",
+    ]

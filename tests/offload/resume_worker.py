@@ -15,6 +15,8 @@ FAULT_SUB_GROUP's compressed state written, its pass not said done), kill-in-blo
 copy of sub-group FAULT_SUB_GROUP's block; -1: the last), kill-before-close (after the last step, before
 engine.close()). WIDTH and SUB_GROUP: see ckpt_worker. STATE_DTYPE: offload.state_dtype (bf16, int8);
 MASTER_DTYPE: offload.master_dtype (bf16).
+PAUSE=S with PAUSE_RANKS=r,...: those ranks wait before FAULT_STEP, on the attempt FAULT_RANK faults in, until
+SIGTERM (then die) or S s.
 NAN_STEP=N: rank 0's gradient is NaN at step N (the step is skipped). SLOW_BACKWARD=S: backward waits S seconds
 before the first layer's gradients (the later layers' reductions finish meanwhile: an overlapped step steps
 their sub-groups early, with two ranks too).
@@ -157,11 +159,22 @@ def main() -> int:
         os.path.join(workdir, f"faulted-rank{rank}"))
     fault = os.environ.get("FAULT", "") if first_attempt and rank == int(os.environ.get("FAULT_RANK", "0")) else ""
     fault_step = int(os.environ.get("FAULT_STEP", "20"))
+    # PAUSE=S with PAUSE_RANKS=r,..: until FAULT_RANK has faulted, those ranks wait up to S s before FAULT_STEP,
+    # healthy, until their agent stops them for the next round (SIGTERM): torchrun then restarts them without
+    # counting a restart on their node, as it does ranks busy in a long forward when another node lost one
+    pause = 0.0 if os.path.exists(os.path.join(workdir, f"faulted-rank{os.environ.get('FAULT_RANK', '0')}")) or \
+        str(rank) not in os.environ.get("PAUSE_RANKS", "").split(",") else float(os.environ.get("PAUSE", "0"))
     per_rank = ckpt_worker.GLOBAL_BATCH // world
     data = ckpt_worker.batches(steps)
     start = engine.client_state.get("next_step", 0)
     with open(os.path.join(workdir, f"losses-rank{rank}.txt"), "a") as log:
         for step in range(start, steps):
+            if pause and step == fault_step:
+                deadline = time.monotonic() + pause
+                while not engine.stop_requested and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if engine.stop_requested:  # stopped for the restart: end as the lost rank did
+                    os.kill(os.getpid(), signal.SIGKILL)
             if fault and step == fault_step:
                 open(os.path.join(workdir, f"faulted-rank{rank}"), "w").close()
                 if fault == "kill-forward":

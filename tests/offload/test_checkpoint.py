@@ -115,6 +115,28 @@ def test_keep_last_keeps_that_many_tags(tmp_path):
         engine.close()
 
 
+def test_keep_last_never_removes_the_tag_latest_names(tmp_path):
+    """checkpoint.keep_last 1, a save and then a save with save_latest=False: the tag 'latest' names is kept
+    beside the new one, and loading the directory loads it."""
+    from offload.builder import initialize
+
+    cfg = dict(ckpt_worker.config("cpu", str(tmp_path), 2), checkpoint={"keep_last": 1})
+    engine, _, _, _ = initialize(model=ckpt_worker.model(), config=cfg)
+    x, y = ckpt_worker.batches(1)[0]
+    try:
+        for tag, save_latest in (("global_step1", True), ("global_step2", False)):
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            engine.save_checkpoint(str(tmp_path), tag=tag, save_latest=save_latest)
+        assert sorted(os.listdir(tmp_path)) == ["global_step1", "global_step2", "latest"]
+        assert (tmp_path / "latest").read_text() == "global_step1"
+        path, _ = engine.load_checkpoint(str(tmp_path))
+        assert path == str(tmp_path / "global_step1") and engine.global_steps == 1
+    finally:
+        engine.close()
+
+
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1) for a private tmpfs")
 def test_a_full_disk_names_the_path_and_enospc_and_keeps_the_last_save(tmp_path):
     """A second save onto a tmpfs with room for one (mounted in a private mount namespace over

@@ -15,7 +15,7 @@ import torch
 from offload import DaemonNotRunningError, initialize
 from tests.daemon.conftest import STORE, start_daemon
 from tests.offload import ckpt_worker
-from tests.offload.test_resume import _final, _run, _same, daemon, reference  # noqa: F401 (fixtures)
+from tests.offload.test_resume import _final, _run, _same, reference  # noqa: F401 (a fixture; daemon: conftest)
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
 
@@ -113,6 +113,28 @@ def test_load_checkpoint_after_a_resume_keeps_the_newer_state(tmp_path, through_
     assert client == {"next_step": 10} and second.global_steps == 10
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), at_ten))
     second.close()
+
+
+def test_a_checkpoint_at_the_resumed_step_is_called_the_same_step(tmp_path, through_daemon, caplog):
+    """Issue 41: a checkpoint saved at the step the daemon resumed was called "older" when it was kept over."""
+    _, config = through_daemon
+    ckpt = str(tmp_path / "ckpt")
+    first, _ = _engine(config)
+    _train(first, ckpt_worker.batches(3), 0, 3)
+    first.save_checkpoint(ckpt)
+    first.commit.commit(first.global_steps, first.small_state())
+    first.close(keep_session=True)
+
+    second, _ = _engine(config)
+    try:
+        assert second.resumed_step == 3
+        with caplog.at_level(logging.WARNING, logger="offload.engine"):
+            path, _ = second.load_checkpoint(ckpt)
+        assert path.endswith("global_step3")
+        kept = [r.getMessage() for r in caplog.records if "kept the state resumed" in r.getMessage()]
+        assert len(kept) == 1 and "(step 3, the same step)" in kept[0] and "older" not in kept[0], kept
+    finally:
+        second.close()
 
 
 @pytest.mark.parametrize("saved", [True, False])

@@ -27,7 +27,8 @@ def _config(tmp_path, tier: str, *, param_device: str = "nvme", gas: int = 1, st
     return config
 
 
-def _train(config: dict, *, gas: int = 1, inspect=None):
+def _train(config: dict, *, gas: int = 1, inspect=None, after_micro_step=None):
+    """``inspect(engine)`` after each step, ``after_micro_step(engine, i)`` after each micro-step."""
     net = w.model()
     engine, _, _, _ = initialize(model=net, config=config)
     try:
@@ -39,6 +40,8 @@ def _train(config: dict, *, gas: int = 1, inspect=None):
             losses.append(loss.item())
             if inspect is not None and (i + 1) % gas == 0:
                 inspect(engine)
+            if after_micro_step is not None:
+                after_micro_step(engine, i)
         with engine.stage3.coordinator.gathered():
             params = [p.detach().clone() for p in net.parameters()]
         return losses, params, engine.adam.storage.grads_tier is not None
@@ -278,3 +281,30 @@ def test_a_part_landed_accumulator_left_by_a_cut_backward_is_counted_afresh(tmp_
     got = _train(_config(tmp_path / "b", "nvme"), inspect=cut_once)
     assert got[0][1:] == ref[0][1:]
     assert all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+
+def test_a_cut_backward_keeps_what_it_added_on_nvme_as_in_host_memory(tmp_path):
+    """Two micro-steps a step; at the first step's second micro-step a backward adds one piece of a sub-group
+    that spans buckets, then dies. What it added stays in the accumulator (as autograd's .grad keeps what a
+    cut backward accumulated): the next micro-step's backward writes the part-landed accumulator back as it
+    is, so with the accumulators on NVMe the run is the resident accumulators' run, bit for bit."""
+    def cut_once(engine, i):
+        if i != 0:  # after the cycle's first micro-step: the cut backward adds to what that one wrote back
+            return
+        storage = engine.adam.storage
+        sg = next(g for g in engine.layout.sub_groups if len(g.pieces) >= 2)
+        piece = sg.pieces[0]
+        storage.begin_landing()
+        acc = storage.grad_for_landing(sg.index, False)
+        acc[piece.sub_start:piece.sub_start + piece.numel].add_(7.0)  # one piece's landing, then the backward dies
+        storage.grad_landed(sg.index)
+
+    runs = {}
+    for tier in ("host", "nvme"):
+        (tmp_path / tier).mkdir()
+        runs[tier] = _train(_config(tmp_path / tier, tier, gas=2), gas=2, after_micro_step=cut_once)
+    (tmp_path / "uncut").mkdir()
+    uncut = _train(_config(tmp_path / "uncut", "host", gas=2), gas=2)
+    assert runs["nvme"][0] == runs["host"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["nvme"][1], runs["host"][1]))
+    assert not all(torch.equal(a, b) for a, b in zip(runs["host"][1], uncut[1]))  # the cut's landing counted

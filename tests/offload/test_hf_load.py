@@ -134,6 +134,23 @@ def test_plain_model_loads_at_once(tmp_path):
         assert torch.equal(net.state_dict()[key], value), key
 
 
+def test_a_tied_tensor_held_under_its_later_name_loads(tmp_path):
+    """GPT-2's embedding and head are one tensor; a file holding it only as lm_head.weight (not
+    transformer.wte.weight, the model's first name for it) fills it, as transformers' from_pretrained does."""
+    from transformers import AutoModelForCausalLM
+
+    src = _saved("gpt2", tmp_path, False)
+    state = {k: v.detach().clone() for k, v in src.state_dict().items() if k != "transformer.wte.weight"}
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    net = hf.build("gpt2", seed=0)
+    report = load_pretrained(net, tmp_path)
+    assert report.missing_keys == () and report.unexpected_keys == ()
+    assert torch.equal(net.transformer.wte.weight, state["lm_head.weight"])
+    want = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, want[key]), key
+
+
 def test_bad_checkpoints_are_named(tmp_path):
     with pytest.raises(ConfigError, match="neither model.safetensors.index.json nor model.safetensors"):
         load_pretrained(hf.build("gpt2"), tmp_path)

@@ -44,6 +44,31 @@ def _assert_loads_with_logits(where, logits, ids) -> None:
         torch.testing.assert_close(loaded(input_ids=ids).logits, logits, rtol=0, atol=0)
 
 
+def test_each_shard_holds_as_many_tensors_as_fit_under_the_cap(tmp_path):
+    """ShardedWriter starts a new file only when the next tensor would take this one over the cap: with
+    tensors of 400, 400, 200, 600, 400, 400, 100 bytes under a 1000-byte cap, the files hold 1000, 1000 and
+    500 bytes, each tensor read back (safetensors) equal to the one written, under the index's names."""
+    from offload.hf.safetensors_out import ShardedWriter
+
+    torch.manual_seed(0)
+    tensors = {f"t{i}": torch.randn(nbytes // 4) for i, nbytes in enumerate((400, 400, 200, 600, 400, 400, 100))}
+    writer = ShardedWriter(str(tmp_path), max_shard_size_bytes=1000)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    names = writer.close()
+    assert names == _files(tmp_path) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    held = []
+    for name in names:
+        with safe_open(str(tmp_path / name), "pt") as f:
+            held.append(sorted(f.keys()))
+            for key in f.keys():
+                assert torch.equal(f.get_tensor(key), tensors[key]), key
+    assert held == [["t0", "t1", "t2"], ["t3", "t4"], ["t5", "t6"]]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 2500
+    assert index["weight_map"] == {key: names[i] for i, keys in enumerate(held) for key in keys}
+
+
 @pytest.mark.parametrize("stage,device,built", [(3, "cpu", "init_context"), (3, "nvme", "init_context"),
                                                 (3, "nvme", "plain"), (2, "cpu", "plain"), (1, "nvme", "plain"),
                                                 (0, "cpu", "plain")])

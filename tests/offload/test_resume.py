@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.daemon.conftest import STORE, start_daemon
+from tests.daemon.conftest import STORE
 from tests.offload.resume_worker import read_losses
 from tests import child_pythonpath
 
@@ -20,14 +20,6 @@ pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap lay
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "offload", "resume_worker.py")
 STEPS = 30
-
-
-@pytest.fixture
-def daemon():
-    d = start_daemon(pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
-                     sessions={"default_quota_bytes": 8 << 20, "reattach_grace_seconds": 60.0})
-    yield d
-    d.stop()
 
 
 def _run(workdir, device, *, ranks=1, restarts=0, socket=None, timeout=300, **env):
