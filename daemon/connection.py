@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from csrc.errors import OffloadError, ProtocolError, QuotaExceededError, SessionError
-from daemon.handlers import PEER_KINDS, SYNC_KINDS, needs_session, no_session_error
+from daemon.handlers import PEER_KINDS, SYNC_KINDS, StillInFlight, needs_session, no_session_error
 from daemon.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, Flag, Frame, FrameDecoder, Kind, check_fields, decode_body, \
     encode_frame, error_body
 from daemon.sessions import Session
@@ -189,8 +189,11 @@ class Connection(asyncio.Protocol):
             self.transport.write(encode_frame(frame.kind, frame.request_id, body, _REPLY))
 
     def reply_error(self, request_id: int, kind: int, exc: BaseException, subject: str = "") -> None:
-        self.server.metrics.error(type(exc).__name__)
-        self._log_refusal(kind, exc, subject)
+        if isinstance(exc, StillInFlight):  # a poll's "not yet": an answer, no error ([Note: a poll is a question])
+            exc = TimeoutError(*exc.args)  # the client knows it as the store's TimeoutError
+        else:
+            self.server.metrics.error(type(exc).__name__)
+            self._log_refusal(kind, exc, subject)
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(encode_frame(kind, request_id, error_body(exc), Flag.REPLY | Flag.ERROR))
 

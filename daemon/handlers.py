@@ -23,6 +23,14 @@ changes a region's state only when its caller waits. To keep the interface the s
 a region named by a prefetch or evict the client has not waited for yet shows as
 ``IN_FLIGHT`` to that client (REGION, host views, MARK_DIRTY, STATS' in-flight bytes),
 as it would on a local store, until the client's WAIT returns.
+
+[Note: a poll is a question] A WAIT with ``timeout_seconds`` 0 asks whether the transfer
+is done, without waiting: the engine's host window asks so after every step
+(``HostWindow.poll`` and ``.arrived`` in ``offload.zero.window``). "Not yet" is answered
+as a local store answers it, with a ``TimeoutError`` (``StillInFlight`` here, ``TimeoutError``
+on the wire), but it is an answer, not an error: it is neither counted in
+``offload_errors_total`` nor logged as a refusal, so a healthy job adds nothing to either.
+A wait that ran out of a nonzero limit is a client that waited in vain: counted and logged.
 """
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ from daemon.sessions import PRIVILEGED_UID, Session, SessionTable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Handlers", "SYNC_KINDS", "PEER_KINDS", "needs_session", "no_session_error"]
+__all__ = ["Handlers", "StillInFlight", "SYNC_KINDS", "PEER_KINDS", "needs_session", "no_session_error"]
 
 SYNC_KINDS = frozenset(
     {Kind.ALLOCATE, Kind.MARK_DIRTY, Kind.REGION, Kind.PREFETCH, Kind.EVICT, Kind.STATS, Kind.REPORT_STEP,
@@ -51,6 +59,10 @@ SYNC_KINDS = frozenset(
 """Kinds answered inline on the loop; the rest run as tasks (see the note)."""
 
 _IN_FLIGHT = "IN_FLIGHT"
+
+
+class StillInFlight(TimeoutError):
+    """The answer "not yet" to a poll (a WAIT with timeout 0): no error ([Note: a poll is a question])."""
 
 
 def _field(obj: Any, name: str, default: Any = 0) -> Any:
@@ -280,8 +292,9 @@ class Handlers:
         try:
             await asyncio.wait_for(asyncio.shield(h.future), timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{kind} not done after {timeout} s; regions still in flight: "
-                               f"{', '.join(h.names[:8])}{' ...' if len(h.names) > 8 else ''}") from None
+            late = StillInFlight if timeout == 0 else TimeoutError  # [Note: a poll is a question]
+            raise late(f"{kind} not done after {timeout} s; regions still in flight: "
+                       f"{', '.join(h.names[:8])}{' ...' if len(h.names) > 8 else ''}") from None
         finally:
             if h.future.done():
                 s.waited(number)

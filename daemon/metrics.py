@@ -17,7 +17,8 @@ offload_in_flight_bytes                           gauge      (none): bytes of th
 offload_pinned_pool_bytes                         gauge      state (used|free): quotas reserved, and the rest
 offload_swap_space_bytes                          gauge      state (used|capacity): extents in the swap files
 offload_sessions                                  gauge      state (attached|detached)
-offload_errors_total                              counter    kind (error class name)
+offload_errors_total                              counter    kind (error class name); a poll's "not yet"
+                                                             is no error (see daemon.handlers)
 offload_optimizer_step_seconds                    histogram  (none): reported by clients
 offload_session_host_bytes                        gauge      uid, job, rank: bytes its regions hold in the pool
 offload_session_quota_bytes                       gauge      uid, job, rank: the session's quota (reserved)

@@ -61,9 +61,11 @@ REGION 5         name, view bool -> region (as ALLOCATE). view=true: the client 
                  (see [Note: client-visible state] in daemon.handlers).
 PREFETCH 6       names [str] -> handle int (the transfer is queued in the fair scheduler)
 WAIT_PREFETCH 7  handle int, timeout_seconds float|null -> {} (or the transfer's error;
-                 TimeoutError leaves the transfer running, and it can be waited for again)
+                 TimeoutError leaves the transfer running, and it can be waited for again;
+                 timeout_seconds 0 asks whether it is done, and its TimeoutError "not yet" is
+                 no error of the daemon's: see [Note: a poll is a question] in daemon.handlers)
 EVICT 8          names [str] -> handle int
-WAIT_EVICT 9     handle int, timeout_seconds float|null -> {}
+WAIT_EVICT 9     handle int, timeout_seconds float|null -> {} (or its error, as WAIT_PREFETCH)
 FLUSH 10         {} -> {} once every dirty region is written back (host copies kept)
 STATS 11         {} -> stats {TierStats fields}
 REPORT_STEP 12   seconds float (one optimizer step) -> {}

@@ -9,7 +9,7 @@ import torch
 
 from offload import initialize
 from tests.daemon.conftest import STORE, start_daemon
-from tests.daemon.test_refusals import errors
+from tests.daemon.test_refusals import errors, refusals
 from tests.offload import ckpt_worker
 
 pytestmark = pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
@@ -74,5 +74,30 @@ def test_training_through_the_daemon_matches_the_embedded_store(tmp_path, device
         for p, q in zip(net.parameters(), ref_net.parameters()):
             assert torch.equal(p, q)
         assert daemon.status()["sessions"] == []
+    finally:
+        daemon.stop()
+
+
+def test_a_clean_job_counts_no_error_while_its_evicts_are_in_flight(tmp_path, monkeypatch):
+    """Issue 41: the engine asks whether its evicts are done (a wait with timeout 0, HostWindow.poll) each time
+    it reports where its state is. On a slow daemon every step's evicts are still in flight when it asks:
+    "not yet" is no error of the daemon's ([Note: a poll is a question] in daemon.handlers)."""
+    daemon = start_daemon(slow=True, pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                          sessions={"default_quota_bytes": 8 << 20})
+    try:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+        monkeypatch.setenv("WIDTH", "8192")  # 2.2 MB of state in three sub-groups: each evict takes a while
+        monkeypatch.setenv("SUB_GROUP", "65536")
+        net = ckpt_worker.model()
+        engine, _, _, _ = initialize(model=net, config=ckpt_worker.config("nvme", str(tmp_path), stage=2))
+        asked_in_flight = 0
+        for x, y in ckpt_worker.batches(4):
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+            asked_in_flight += engine.offload_stats().state_bytes_by_tier.get("in_flight", 0) > 0
+        engine.close()
+        assert asked_in_flight > 0  # the race of the issue happened
+        assert errors(daemon.metrics_port) == {}
+        assert refusals(daemon.log()) == []
     finally:
         daemon.stop()
