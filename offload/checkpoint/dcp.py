@@ -38,7 +38,8 @@ from csrc import ConfigError
 from offload.checkpoint.tags import LATEST, METADATA, failed_save, prune, resolve_path, write_latest
 from offload.hf.names import model_for_names, original_format
 from offload.checkpoint.rng import rng_state, set_rng_state
-from offload.hf.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
+from offload.hf.safetensors_out import (DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, generation_config_json,
+                                        model_config_json, write_config)
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,8 @@ def _engine_meta(engine) -> dict[str, Any]:
     meta.update(params=[(s.name, s.shape) for s in engine.layout.slots],
                 module_keys=list(engine.module.state_dict().keys()), world_size=engine.world_size,
                 stage=engine.config.zero.stage, dtype=str(engine.compute_dtype), aliases=_aliases(engine),
-                model_config=model_config_json(engine.module))
+                model_config=model_config_json(engine.module),
+                generation_config=generation_config_json(engine.module))
     return meta
 
 
@@ -431,8 +433,10 @@ def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:
 def consolidate_safetensors(checkpoint: str, out_dir: str, *,
                             max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> list[str]:
     """Write the fp32 weights of a checkpoint as sharded safetensors + index (+ the model's ``config.json``
-    when the engine's model had one): a directory ``from_pretrained`` loads, under the names ``save_pretrained``
-    writes when transformers can build that config on the meta device. Reads one output file's worth at a time. Tied names are written once (the first). Returns the files written."""
+    when the engine's model had one, and its ``generation_config.json`` when it generates): a directory
+    ``from_pretrained`` loads, under the names ``save_pretrained`` writes when transformers can build that
+    config on the meta device. Reads one output file's worth at a time. Tied names are written once (the
+    first). Returns the files written."""
     saved = _Saved(checkpoint)
     writer = ShardedWriter(out_dir, max_shard_size_bytes=max_shard_size_bytes)
     names_model = model_for_names(saved.meta.get("model_config"))  # [Note: converted names]
@@ -457,5 +461,5 @@ def consolidate_safetensors(checkpoint: str, out_dir: str, *,
     if group:
         add(saved.load(group))
     names = writer.close()
-    write_config(out_dir, saved.meta.get("model_config"))
+    write_config(out_dir, saved.meta.get("model_config"), saved.meta.get("generation_config"))
     return names

@@ -59,18 +59,44 @@ def _model_spec(text: str, *, persistence_threshold: int) -> ModelShapes:
     return shapes_from_model(model, persistence_threshold=persistence_threshold)
 
 
-def _hf_config_spec(path: str, *, persistence_threshold: int) -> ModelShapes:
-    """A Hugging Face ``config.json`` (or its directory): the causal LM it describes, built on the meta device."""
+_HF_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+"""Bytes per element of the dtypes a Hugging Face ``config.json`` names (``torch_dtype``, or ``dtype`` in
+transformers 5)."""
+
+
+def _hf_config_dtype(where: str) -> str | None:
+    """The dtype the ``config.json`` in directory ``where`` names (``dtype``, else ``torch_dtype``), if one
+    the estimate knows: the dtype the weights are published in, which the model then computes in."""
+    import json
     import os
 
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ConfigError("--hf-config needs transformers: pip install .[hf]") from None
+    with open(os.path.join(where, "config.json")) as f:
+        fields = json.load(f)
+    for key in ("dtype", "torch_dtype"):
+        value = fields.get(key)
+        if isinstance(value, str) and value.removeprefix("torch.") in _HF_DTYPE_BYTES:
+            return value.removeprefix("torch.")
+    return None
+
+
+def _hf_config_dir(path: str) -> str:
+    """The directory of the ``config.json`` that ``--hf-config`` names (the file or its directory)."""
+    import os
+
     where = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if not os.path.isfile(os.path.join(where, "config.json")) or \
             (not os.path.isdir(path) and os.path.basename(path) != "config.json"):
         raise ConfigError(f"--hf-config takes a config.json or the directory holding one, got {path!r}")
+    return where
+
+
+def _hf_config_spec(path: str, *, persistence_threshold: int) -> ModelShapes:
+    """A Hugging Face ``config.json`` (or its directory): the causal LM it describes, built on the meta device."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError("--hf-config needs transformers: pip install .[hf]") from None
+    where = _hf_config_dir(path)
     config = AutoConfig.from_pretrained(where, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -100,8 +126,17 @@ def run_cli(args: Any) -> int:
     gpu = args.gpu if args.gpu is not None else (args.gpu_gib is not None or torch.cuda.is_available())
     inp = EstimateInput.from_config(config, shapes, world_size=args.world_size,
                                     baseline_bytes=0 if args.no_baseline else process_baseline_bytes(), gpu=gpu)
+    if args.host_gib is not None:  # every host-memory figure from the machine asked about, none from this one
+        inp = dataclasses.replace(inp, available_host_bytes=int(args.host_gib * fit.GIB))
+    dtype_from = "the config's" if args.config else "fp32, the default"
     if args.dtype:
         inp = dataclasses.replace(inp, compute_bytes=4 if args.dtype == "fp32" else 2)
+        dtype_from = "--dtype"
+    elif args.hf_config is not None and not args.config:  # a config's bf16 / fp16 sections decide where given
+        hf_dtype = _hf_config_dtype(_hf_config_dir(args.hf_config))
+        if hf_dtype is not None:
+            inp = dataclasses.replace(inp, compute_bytes=_HF_DTYPE_BYTES[hf_dtype])
+            dtype_from = f"{hf_dtype}, the config.json's"
     if args.state_dtype:
         inp = dataclasses.replace(inp, state_dtype=args.state_dtype)
     if args.master_dtype:
@@ -127,8 +162,8 @@ def run_cli(args: Any) -> int:
     if cfg is not None and cfg.zero.stage in {r.stage for r in est.rows}:
         configured = est.row(stage=cfg.zero.stage, optimizer=cfg.zero.offload_optimizer.device.value,
                              param=cfg.zero.offload_param.device.value)
-    title = (f"{shapes.params:,} parameters, {args.world_size} rank(s), {inp.compute_bytes}-byte compute dtype; "
-             f"per rank\nagainst: {machine.describe()}")
+    title = (f"{shapes.params:,} parameters, {args.world_size} rank(s), {inp.compute_bytes}-byte compute dtype "
+             f"({dtype_from}); per rank\nagainst: {machine.describe()}")
     verdicts = {i: fit.verdict(r, machine).text() for i, r in enumerate(est.rows)}
     print(format_table(est, title=title, detail=detail, gpu_column=gpu, verdicts=verdicts, marked=configured))
     print("\n".join(fit.answer(est.rows, configured, machine, args.world_size)))
@@ -167,7 +202,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--batch", type=int, default=1, help="with --gpt: sequences per micro-batch (1)")
     parser.add_argument("--config", help="the engine's JSON config (buffer counts, sub_group_size, dtype, limits)")
     parser.add_argument("--world-size", type=int, default=1, help="ranks (1)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="compute dtype (the config's, else fp32)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"),
+                        help="compute dtype (the config's; else with --hf-config the config.json's dtype; else fp32)")
     parser.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"),
                         help="offload.state_dtype: how the Adam moments are stored (the config's, else fp32)")
     parser.add_argument("--master-dtype", choices=("fp32", "bf16"),
@@ -186,8 +222,9 @@ def add_arguments(parser: Any) -> None:
                         help="the model computes on a GPU (host staging of offloaded updates, offload.overlap_step "
                              "auto on); default: whether this machine has one")
     parser.add_argument("--json", action="store_true", help="the rows as JSON")
-    parser.add_argument("--host-gib", type=float, help="check the rows against this much host memory "
-                        "(default: what this machine has available now)")
+    parser.add_argument("--host-gib", type=float, help="check the rows against this much host memory, and size "
+                        "what the engine sizes from the memory available (the NVMe window, gradient_tier auto, "
+                        "the rollback copies) from it (default: what this machine has available now)")
     parser.add_argument("--gpu-gib", type=float, help="check against a GPU of this much memory (default: this "
                         "machine's GPU; none: the model computes on the CPU)")
     parser.add_argument("--nvme-gib", type=float, help="check against this much NVMe space (default: the free space "

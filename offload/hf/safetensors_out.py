@@ -1,11 +1,13 @@
-"""Writing a model as Hugging Face lays it out: sharded safetensors plus their index, and ``config.json``.
+"""Writing a model as Hugging Face lays it out: sharded safetensors plus their index, ``config.json``, and
+``generation_config.json`` for a model that generates, as ``save_pretrained`` writes them.
 
 ``ShardedWriter`` takes tensors one at a time, holds at most one output file's worth, and writes a file
 (``safetensors.torch.save_file``) each time the next tensor would take it over ``max_shard_size_bytes``.
 ``close()`` names the files ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``
 (``metadata.total_size``, ``weight_map``), or ``model.safetensors`` alone when there is one file: what
 ``from_pretrained`` and ``offload.load_pretrained`` read. One name per tensor: a tied tensor is written
-under its first name, as transformers saves it (``from_pretrained`` ties the rest again).
+under its first name, as transformers saves it (``from_pretrained`` ties the rest again). The writer
+logs the files at DEBUG: its callers report what they wrote, once.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from csrc import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE_BYTES", "ShardedWriter", "model_config_json"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE_BYTES", "ShardedWriter", "generation_config_json", "model_config_json",
+           "write_config"]
 
 DEFAULT_MAX_SHARD_SIZE_BYTES = 5 * 1024 ** 3  # transformers' default cap per file
 INDEX = "model.safetensors.index.json"
@@ -80,7 +83,7 @@ class ShardedWriter:
             weight_map = {key: names[i] for i, keys in enumerate(self._files) for key in keys}
             with open(os.path.join(self.save_dir, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
-        logger.info("wrote %d safetensors file(s), %d bytes, to %s", n, self.total_bytes, self.save_dir)
+        logger.debug("wrote %d safetensors file(s), %d bytes, to %s", n, self.total_bytes, self.save_dir)
         return names
 
 
@@ -98,7 +101,20 @@ def model_config_json(module: Any) -> str | None:
     return text
 
 
-def write_config(save_dir: str, config_json: str | None) -> None:
-    if config_json is not None:
-        with open(os.path.join(save_dir, "config.json"), "w") as f:
-            f.write(config_json)
+def generation_config_json(module: Any) -> str | None:
+    """The model's ``generation_config.json`` text where ``save_pretrained`` writes one (a model that
+    ``can_generate()``), as it writes it (``GenerationConfig.save_pretrained``: what differs from the
+    defaults, less ``compile_config``); else None."""
+    can_generate = getattr(module, "can_generate", None)
+    config = getattr(module, "generation_config", None)
+    if config is None or not callable(can_generate) or not can_generate():
+        return None
+    return config.to_json_string(use_diff=True, keys_to_pop=["compile_config"])
+
+
+def write_config(save_dir: str, config_json: str | None, generation_json: str | None = None) -> None:
+    """``config.json`` and ``generation_config.json`` in ``save_dir``, each where its text is given."""
+    for name, text in (("config.json", config_json), ("generation_config.json", generation_json)):
+        if text is not None:
+            with open(os.path.join(save_dir, name), "w", encoding="utf-8") as f:
+                f.write(text)

@@ -1,7 +1,8 @@
 """``engine.save_16bit_model``: the module's weights in the compute dtype.
 
 With no file name (the default) it writes what ``from_pretrained`` loads: sharded safetensors with
-their index and, for a Hugging Face model, its ``config.json`` (``offload.hf.safetensors_out``), under the
+their index and, for a Hugging Face model, its ``config.json`` and (one that generates) its
+``generation_config.json`` (``offload.hf.safetensors_out``), under the
 names ``save_pretrained`` writes (Mixtral's experts one tensor each: ``offload.hf.names``). It
 streams: at stage 3 one unit is gathered at a time (every rank takes part; rank 0 writes), so no
 process holds the whole model, and it saves whatever ``stage3_gather_16bit_weights_on_model_save``
@@ -25,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from offload.hf.names import original_format
-from offload.hf.safetensors_out import DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, model_config_json, write_config
+from offload.hf.safetensors_out import (DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, generation_config_json,
+                                        model_config_json, write_config)
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +75,10 @@ def _save_safetensors(engine, save_dir: str, exclude_frozen: bool, max_shard_siz
                 for name, tensor in original_format(module, key, value):  # [Note: converted names]
                     writer.add(name, tensor)
     if writer is not None:
-        writer.close()
-        write_config(save_dir, model_config_json(module))
+        names = writer.close()
+        write_config(save_dir, model_config_json(module), generation_config_json(module))
+        logger.info("saved the %s weights to %s: %d safetensors file(s), %d bytes", engine.compute_dtype, save_dir,
+                    len(names), writer.total_bytes)
 
 
 def save_16bit_model(engine, save_dir: str, save_filename: str | None = None, *,

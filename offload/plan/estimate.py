@@ -7,7 +7,18 @@ moments; Psi parameters, N ranks):
     stage 0: (2c + 12) Psi      stage 1: 2c Psi + 12 Psi / N
     stage 2: c Psi + (c + 12) Psi / N      stage 3: (2c + 12) Psi / N
 
-and what this engine holds, where. The model is laid out as the engine lays it out (its params'
+placed as the row offloads them, the way DeepSpeed's ``estimate_zero2_model_states_mem_needs`` and
+``estimate_zero3_model_states_mem_needs`` place them (``zero_formula_places``; without their 1.5
+``additional_buffer_factor``): the params, c Psi (/ N at stage 3), on the device, or in host memory or
+on NVMe with ``offload_param``; with ``offload_optimizer`` none the gradients, c Psi (/ N from stage 2),
+and the K Psi (/ N from stage 1) of state on the device; with it, the state in host memory (cpu) or on
+NVMe (nvme) and the gradients reduced into its fp32 partition in host memory, 4 Psi (/ N from stage 1;
+DeepSpeed's 16 = 4 + K), none kept on the device; at stage 3 also the largest param gathered with its
+gradient, 2c L, on the device (DeepSpeed's ``largest_layer_memory``). So the nothing-offloaded rows of
+stages 0-2 give the paper's figure, and DeepSpeed's stage-3 figures come out with c = 2 (its
+all-on-GPU row counts 18 Psi / N where the paper counts 16).
+
+And what this engine holds, where. The model is laid out as the engine lays it out (its params'
 shapes and stage 3's units, ``offload.plan.memory.flat_layout``), and the tiers' regions are the
 memory plan's, the very plan the builder opens them from ([Note: memory plan] in offload.plan.memory):
 - stages 0-2: the flat params and the flat gradients (``c`` each, whole model) on the device, and the
@@ -47,9 +58,12 @@ from offload.zero.state_format import StateFormat
 logger = logging.getLogger(__name__)
 
 __all__ = ["EstimateInput", "EstimateRow", "Estimate", "ModelShapes", "estimate", "gpt_shapes", "shapes_from_count",
-           "shapes_from_model", "process_baseline_bytes", "format_table", "zero_formula_bytes"]
+           "shapes_from_model", "process_baseline_bytes", "format_table", "zero_formula_bytes",
+           "zero_formula_places"]
 
 DEVICES = ("none", "cpu", "nvme")
+PLACE_OF = {"none": "device", "cpu": "host", "nvme": "nvme"}
+"""Where an offload_optimizer / offload_param device puts what it holds."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -165,7 +179,11 @@ class EstimateInput:
     """offload_optimizer.buffer_count (state blocks in host memory with nvme: the window's floor)."""
     host_memory_bytes: int | None = None
     """offload.host_memory_bytes: the budget the engine sizes the optimizer state's NVMe window from;
-    None: as the engine does, from the memory available on this machine now (``offload.plan.budget.window_size``)."""
+    None: as the engine does, from the memory available (``available_host_bytes``; ``offload.plan.budget``)."""
+    available_host_bytes: int | None = None
+    """The host memory available on the machine asked about (``offload estimate --host-gib``): the budgets
+    the engine takes from MemAvailable (the NVMe window, gradient_tier "auto", the overlapped step's rollback
+    copies) are taken from it, 1/FREE_SHARE of it over ``node_ranks``; None: this machine's, now."""
     daemon: bool = False
     """Through a node daemon without ``host_memory_bytes``: the engine sizes the window (and judges
     ``offload.gradient_tier`` "auto") by the rank's share of the daemon's pool when it starts
@@ -215,7 +233,7 @@ class EstimateInput:
     def overlap(self, stage: int, optimizer: str) -> bool:
         """Whether the engine runs the overlapped step for the row (``offload.zero.overlap.overlap_wanted``)."""
         return overlap_wanted(self.overlap_step, device_type="cuda" if self.gpu else "cpu", stage=stage,
-                              offloaded=optimizer != "none", delayed=self.delayed_update)
+                              offloaded=optimizer != "none", delayed=self.delayed_update, log=False)
 
     def layout(self, stage: int, optimizer: str) -> FlatLayout:
         """Rank 0's layout for the row, as the builder cuts it."""
@@ -258,8 +276,13 @@ class EstimateRow:
     """Host memory: the tiers' pools and the process's own memory."""
     nvme_bytes: int
     """Swap file space."""
-    zero_formula_bytes: int
-    """The ZeRO paper's model states per device for the stage (no offload), for comparison."""
+    zero_device_bytes: int
+    """The ZeRO formulas' model states per rank on the device, placed as this row offloads them
+    (``zero_formula_places``, [Note: estimate]), for comparison."""
+    zero_host_bytes: int
+    """The same formulas' model states per rank in host memory."""
+    zero_nvme_bytes: int
+    """The same formulas' model states per rank on NVMe."""
     parts: tuple[tuple[str, str, int], ...]
     """(what, where, bytes) behind the totals."""
     sessions: tuple[int, ...] = ()
@@ -297,6 +320,26 @@ def zero_formula_bytes(stage: int, params: int, world_size: int, compute_bytes: 
     raise ConfigError(f"stage must be 0-3, got {stage}")
 
 
+def zero_formula_places(stage: int, optimizer: str, param: str, *, params: int, largest_param: int,
+                        world_size: int, compute_bytes: int) -> dict[str, int]:
+    """The ZeRO formulas' model-state bytes per rank, "device", "host" and "nvme", for one stage and offload
+    choice, placed as DeepSpeed's memory estimators place them ([Note: estimate])."""
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"stage must be 0-3, got {stage}")
+    c, n, psi = compute_bytes, world_size, params
+    by_params, by_grads, by_state = (n if stage == 3 else 1), (n if stage >= 2 else 1), (n if stage >= 1 else 1)
+    places = {"device": 0, "host": 0, "nvme": 0}
+    places[PLACE_OF[param]] += c * psi // by_params
+    if optimizer == "none":
+        places["device"] += c * psi // by_grads + 12 * psi // by_state
+    else:  # the gradients go to the state's fp32 partition in host memory as they are reduced
+        places["host"] += 4 * psi // by_state
+        places[PLACE_OF[optimizer]] += 12 * psi // by_state
+    if stage == 3:
+        places["device"] += 2 * c * largest_param  # the largest param gathered, and its gradient
+    return places
+
+
 def _parts(regions: Iterable[Region]) -> list[tuple[str, str, int]]:
     return [(r.what, r.where, r.nbytes) for r in regions]
 
@@ -308,7 +351,7 @@ def _optimizer_parts(layout: FlatLayout, optimizer: str, stage: int, inp: Estima
         return [("fp32 gradient accumulators", "device", 4 * n), ("fp32 master + moments", "device", 12 * n)], 0
     pool = inp.daemon_pool if inp.daemon and inp.host_memory_bytes is None else None
     plan = plan_optimizer(layout, inp.optimizer_settings(optimizer, stage), pool=pool, local_ranks=inp.node_ranks,
-                          log=False)
+                          log=False, available=inp.available_host_bytes)
     return _parts(plan.regions()), _session_bytes(plan.tier, inp)
 
 
@@ -330,7 +373,8 @@ def _staged_update_parts(stage: int, layout: FlatLayout, optimizer: str, inp: Es
     if overlap and optimizer == "cpu":  # a copy of each state block stepped early, the largest first
         fmt = StateFormat(inp.state_dtype, inp.master_dtype)
         sgs = sorted(layout.sub_groups, key=lambda sg: sg.numel, reverse=True)
-        copies = min(len(sgs), copies_that_fit([sg.numel for sg in sgs]))
+        copies = min(len(sgs), copies_that_fit([sg.numel for sg in sgs], available=inp.available_host_bytes,
+                                               local_ranks=inp.node_ranks, log=False))
         parts.append(("rollback copies (offload.overlap_step)", "host", sum(fmt.state_bytes(sg) for sg in sgs[:copies])))
     return parts
 
@@ -383,11 +427,13 @@ def estimate(inp: EstimateInput, *, stages: Iterable[int] = (0, 1, 2, 3)) -> Est
             if inp.baseline_bytes:
                 parts.append(("process (Python, torch)", "host", inp.baseline_bytes))
             total = {w: sum(b for _, where, b in parts if where == w) for w in ("device", "host", "nvme")}
+            zero = zero_formula_places(stage, optimizer, param, params=inp.shapes.params,
+                                       largest_param=inp.shapes.largest_param, world_size=inp.world_size,
+                                       compute_bytes=inp.compute_bytes)
             rows.append(EstimateRow(stage=stage, optimizer=optimizer, param=param, device_bytes=total["device"],
                                     host_bytes=total["host"], nvme_bytes=total["nvme"],
-                                    zero_formula_bytes=zero_formula_bytes(stage, inp.shapes.params, inp.world_size,
-                                                                          inp.compute_bytes),
-                                    parts=tuple(parts), sessions=sessions))
+                                    zero_device_bytes=zero["device"], zero_host_bytes=zero["host"],
+                                    zero_nvme_bytes=zero["nvme"], parts=tuple(parts), sessions=sessions))
     return Estimate(tuple(rows))
 
 
@@ -398,17 +444,17 @@ def _gib(n: int) -> str:
 def format_table(est: Estimate, *, title: str = "", detail: EstimateRow | None = None, gpu_column: bool = True,
                  verdicts: dict[int, str] | None = None, marked: EstimateRow | None = None) -> str:
     """A plain-text table of the rows (GiB), and the parts behind one row if ``detail``. Without
-    ``gpu_column`` the device is the CPU: one "host GiB" column of device + host bytes. ``verdicts``:
-    a "fits" column (row index -> text); ``marked``: the configured row, flagged."""
+    ``gpu_column`` the device is the CPU: one "host GiB" column of device + host bytes (and one of the
+    ZeRO formula's). ``verdicts``: a "fits" column (row index -> text); ``marked``: the configured row, flagged."""
     if gpu_column:
         head = ["stage", "offload_optimizer", "offload_param", "device GiB", "host GiB", "NVMe GiB", "device+host GiB",
-                "ZeRO formula GiB"]
+                "ZeRO device GiB", "ZeRO host GiB"]
         body = [[str(r.stage), r.optimizer, r.param, _gib(r.device_bytes), _gib(r.host_bytes), _gib(r.nvme_bytes),
-                 _gib(r.process_bytes), _gib(r.zero_formula_bytes)] for r in est.rows]
+                 _gib(r.process_bytes), _gib(r.zero_device_bytes), _gib(r.zero_host_bytes)] for r in est.rows]
     else:
         head = ["stage", "offload_optimizer", "offload_param", "host GiB", "NVMe GiB", "ZeRO formula GiB"]
         body = [[str(r.stage), r.optimizer, r.param, _gib(r.process_bytes), _gib(r.nvme_bytes),
-                 _gib(r.zero_formula_bytes)] for r in est.rows]
+                 _gib(r.zero_device_bytes + r.zero_host_bytes)] for r in est.rows]
     numeric = len(head)
     if verdicts is not None:
         head.append("fits")

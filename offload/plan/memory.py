@@ -264,18 +264,24 @@ def _tier(layout: FlatLayout, s: OptimizerSettings, *, window: int, grads_nvme: 
 
 
 def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: DaemonPool | None = None,
-                   local_ranks: int = 1, log: bool = True) -> OptimizerPlan:
+                   local_ranks: int = 1, log: bool = True, available: int | None = None) -> OptimizerPlan:
     """The optimizer tier's plan for ``layout`` (offloaded: ``settings.device`` cpu or nvme). ``pool``: the
     daemon's, where ``settings.through_pool`` (None: it could not be read, and the window takes its floor);
-    ``local_ranks``: the job's ranks on the node, sharing the pool or the memory available."""
+    ``local_ranks``: the job's ranks on the node, sharing the pool or the memory available; ``available``:
+    the host memory available in bytes (None: this machine's now; ``offload estimate --host-gib`` gives
+    the machine's it asks about)."""
     s = settings
     if s.device not in ("cpu", NVME):
         raise ConfigError(f"the optimizer's tier is planned for offload_optimizer.device cpu or nvme, got {s.device!r}")
     numel = sum(sg.numel for sg in layout.sub_groups)
-    budget = None
-    if s.through_pool:
-        budget = (lambda: (None, "nothing (the daemon's pool could not be read)")) if pool is None else \
-            (lambda: (pool.rank_budget_bytes(local_ranks), f"1/{POOL_SHARE} of the daemon's pool"))
+
+    def budget() -> tuple[int | None, str]:  # asked only where gradient_tier "auto" has to judge
+        if not s.through_pool:
+            return budget_bytes(s.host_memory_bytes, available=available, local_ranks=local_ranks)
+        if pool is None:
+            return None, "nothing (the daemon's pool could not be read)"
+        return pool.rank_budget_bytes(local_ranks), f"1/{POOL_SHARE} of the daemon's pool"
+
     grads_nvme = s.nvme and s.stage == 3 and gradients_on_nvme(  # [Note: gradient tier] in offload.zero.grad_tier
         s.gradient_tier, stage=s.stage, optimizer_nvme=s.nvme, partition_numel=numel, budget=budget, log=log,
         host_memory_bytes=s.host_memory_bytes, grad_itemsize=s.grad_itemsize)
@@ -298,7 +304,8 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
                 logger.info("optimizer state window: %d (buffer_count; the daemon's pool could not be read)", floor)
         else:
             window = window_size(bare.state_bytes, floor=floor, fixed_bytes=fixed,
-                                 host_memory_bytes=s.host_memory_bytes, what="optimizer state", log=log)
+                                 host_memory_bytes=s.host_memory_bytes, what="optimizer state", log=log,
+                                 available=available, local_ranks=local_ranks)
     tier = _tier(layout, s, window=window, grads_nvme=grads_nvme)
     return OptimizerPlan(settings=s, tier=_sized(tier, s), window=window, grads_nvme=grads_nvme, floor=floor,
                          fixed_bytes=fixed)

@@ -86,33 +86,40 @@ MIN_COPIES = 2
 """Sub-groups stepped early per step with the state in host memory, whatever the memory says."""
 
 
-def overlap_wanted(setting: bool | str, *, device_type: str, stage: int, offloaded: bool, delayed: bool) -> bool:
+def overlap_wanted(setting: bool | str, *, device_type: str, stage: int, offloaded: bool, delayed: bool,
+                   log: bool = True) -> bool:
     """Whether ``offload.overlap_step`` is on. "auto": where the model computes on a GPU (on a
     CPU-only machine backward and Adam would compete for the same cores), with the optimizer
-    state offloaded, stages 0-2 and no delayed update; a GPU run it turns off says why, once.
+    state offloaded, stages 0-2 and no delayed update; a GPU run it turns off says why, once
+    (``log``: the estimate, which asks per row, does not).
     ``True`` in an unsupported combination was refused when the config was read."""
     if setting is True:
         return True
     if setting != "auto":
         return False
     if device_type != "cuda":
-        logger.debug("offload.overlap_step auto: off (the model computes on the CPU)")
+        if log:
+            logger.debug("offload.overlap_step auto: off (the model computes on the CPU)")
         return False
     reason = ("offload.delayed_update is on" if delayed else
               "the optimizer state is not offloaded" if not offloaded else
               "zero_optimization.stage 3 is not supported" if stage == 3 else None)
     if reason is not None:
-        logger.info("offload.overlap_step auto: off (%s); the step runs after backward", reason)
+        if log:
+            logger.info("offload.overlap_step auto: off (%s); the step runs after backward", reason)
         return False
     return True
 
 
-def copies_that_fit(sub_group_numels: list[int]) -> int:
+def copies_that_fit(sub_group_numels: list[int], *, available: int | None = None, local_ranks: int | None = None,
+                    log: bool = True) -> int:
     """How many sub-groups' rollback copies (12 bytes per element) the host may hold: as many of the
     largest as fit in the share of the available memory the nvme window takes (``window_size``),
-    at least MIN_COPIES."""
+    at least MIN_COPIES. ``available``, ``local_ranks``, ``log``: as ``window_size`` takes them (the
+    estimate asks about a machine's memory, once per row, quietly)."""
     return window_size([3 * F32 * n for n in sub_group_numels], floor=MIN_COPIES, fixed_bytes=0,
-                       host_memory_bytes=None, what="offload.overlap_step rollback copies")
+                       host_memory_bytes=None, what="offload.overlap_step rollback copies", log=log,
+                       available=available, local_ranks=local_ranks)
 
 
 class OverlappedStep:

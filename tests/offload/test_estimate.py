@@ -29,7 +29,51 @@ def test_zero_formulas(world, c):
     for stage, value in expected.items():
         assert zero_formula_bytes(stage, PSI, world, c) == value
     rows = estimate(EstimateInput(shapes=shapes_from_count(PSI), world_size=world, compute_bytes=c)).rows
-    assert {r.zero_formula_bytes for r in rows if r.stage == 3} == {expected[3]}
+    for r in rows:  # nothing offloaded: the paper's figure, on the device (at stage 3 with the largest param)
+        if r.optimizer == r.param == "none":
+            gathered = 2 * c * (PSI // 96) if r.stage == 3 else 0
+            assert (r.zero_device_bytes, r.zero_host_bytes, r.zero_nvme_bytes) == (expected[r.stage] + gathered, 0, 0)
+
+
+def _deepspeed(stage: int, param: str, *, psi: int, largest: int, ranks: int) -> tuple[int, int]:
+    """The oracle: DeepSpeed's estimate_zero2_model_states_mem_needs (stages 1-2) and
+    estimate_zero3_model_states_mem_needs (zero_init) with cpu_offload, for fp16/bf16, one node of ``ranks``
+    GPUs, without the 1.5 additional_buffer_factor: (per GPU, per CPU), the node's CPU bytes here per rank."""
+    if stage < 3:
+        return 2 * psi, 16 * psi // ranks
+    if param == "cpu":
+        return 4 * largest, 18 * psi // ranks
+    return 4 * largest + 2 * psi // ranks, 16 * psi // ranks
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_zero_formula_is_the_rows_own(world, capsys):
+    """Issue 41: the ZeRO formula column held one figure per stage, whatever the row offloaded. It is the
+    row's: the ZeRO model states placed as the row places them, as DeepSpeed's memory estimators place them
+    (its rows with the optimizer in host memory, bf16, agree exactly); the states offloaded to NVMe are the
+    row's NVMe figure; and the table shows each row's figures."""
+    largest = PSI // 4
+    est = estimate(EstimateInput(shapes=shapes_from_count(PSI, largest_layer=largest), world_size=world,
+                                 compute_bytes=2))
+    for stage, optimizer, param in [(1, "cpu", "none"), (2, "cpu", "none"), (3, "cpu", "none"), (3, "cpu", "cpu")]:
+        r = est.row(stage=stage, optimizer=optimizer, param=param)
+        assert (r.zero_device_bytes, r.zero_host_bytes) == _deepspeed(stage, param, psi=PSI, largest=largest,
+                                                                      ranks=world), r
+    n3 = est.row(stage=3, optimizer="nvme", param="nvme")  # the states and the param shards on NVMe
+    assert (n3.zero_device_bytes, n3.zero_host_bytes, n3.zero_nvme_bytes) == (4 * largest, 4 * PSI // world,
+                                                                             14 * PSI // world)
+    n1 = est.row(stage=1, optimizer="nvme")
+    assert (n1.zero_device_bytes, n1.zero_host_bytes, n1.zero_nvme_bytes) == (2 * PSI, 4 * PSI // world,
+                                                                             12 * PSI // world)
+    assert len({(r.zero_device_bytes, r.zero_host_bytes) for r in est.rows if r.stage == 3}) == 9
+    assert main(["estimate", "--params", str(PSI), "--largest-layer", str(largest), "--dtype", "bf16",
+                 "--world-size", str(world), "--no-baseline", "--gpu-gib", "80", "--host-gib", "64"]) == 0
+    head, cells = _table(capsys.readouterr().out)
+    col = {name: i for i, name in enumerate(head)}
+    for r, row in zip(est.rows, cells):
+        assert row[:3] == [str(r.stage), r.optimizer, r.param]
+        assert float(row[col["ZeRO device GiB"]]) == round(r.zero_device_bytes / (1 << 30), 2)
+        assert float(row[col["ZeRO host GiB"]]) == round(r.zero_host_bytes / (1 << 30), 2)
 
 
 def test_stage3_without_offload_is_zero3_plus_the_fp32_gradient_accumulators():
@@ -206,11 +250,59 @@ def test_the_config_row_is_marked_and_the_smallest_change_that_fits_is_named(cap
     assert quota > 0 and 2 * quota <= pool <= 2 * sessions * quota and "for 2 rank(s)" in daemon
 
 
-def test_no_repeated_log_lines(caplog):
+@pytest.mark.parametrize("machine", [["--no-gpu"], ["--gpu-gib", "80", "--host-gib", "256"]])
+def test_no_repeated_log_lines(caplog, machine):
+    """Issue 41: asked about a GPU machine the estimate logged the rollback copies' budget once per row of
+    stages 0-2 with offload_optimizer cpu (and "overlap_step auto: off" once per other row)."""
     caplog.set_level("INFO")
-    assert main(["estimate", "--params", "7B", "--no-baseline", "--no-gpu"]) == 0
+    assert main(["estimate", "--params", "7B", "--no-baseline", *machine]) == 0
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == len(set(messages)), messages
+
+
+def _json_rows(capsys, *argv: str) -> dict[tuple, dict]:
+    assert main(["estimate", *argv, "--json"]) == 0
+    return {(r["stage"], r["optimizer"], r["param"]): r for r in json.loads(capsys.readouterr().out)}
+
+
+def _part(row: dict, prefix: str) -> int:
+    return sum(n for what, _, n in row["parts"] if what.startswith(prefix))
+
+
+def test_host_gib_figures_come_from_the_given_memory(capsys, monkeypatch):
+    """Issue 41: with --host-gib every host-memory figure comes from that number, none from this machine:
+    whatever MemAvailable says here, the rows are the same; the budget the engine takes from MemAvailable
+    (1/FREE_SHARE of it, over --world-size ranks on the node) is that of the memory given: the overlapped
+    step's rollback copies (stage 1, cpu, 2B parameters on a GPU: copies of 48 MiB state blocks) and the
+    NVMe window (stage 2, nvme: blocks beside the resident 4-byte accumulators) fill it to within a block,
+    and gradient_tier auto (stage 3, nvme) sends the accumulators to NVMe where they exceed it."""
+    from offload.plan import budget
+    from offload.plan.memory import GRADS_ON_NVME_PART, OFFLOAD_SUB_GROUP_CAP, WINDOW_PART
+
+    psi, gib = 2_000_000_000, 1 << 30
+    block = 12 * OFFLOAD_SUB_GROUP_CAP
+    base = ["--params", "2B", "--no-baseline", "--gpu-gib", "80"]
+    seen = []
+    for here in (1 << 20, 1 << 50):  # this machine's MemAvailable: absurdly small, absurdly large
+        monkeypatch.setattr(budget, "available_bytes", lambda here=here: here)
+        seen.append(_json_rows(capsys, *base, "--host-gib", "24"))
+    assert seen[0] == seen[1]
+    monkeypatch.setattr(budget, "available_bytes", lambda: 1 << 50)
+    for host_gib, ranks in ((12, 1), (24, 1), (48, 1), (48, 2)):
+        rows = _json_rows(capsys, *base, "--host-gib", str(host_gib), "--world-size", str(ranks))
+        share = host_gib * gib // budget.FREE_SHARE // ranks
+        partition = psi // ranks
+        states = 12 * partition
+
+        def fills(room: int, held: int, floor: int) -> bool:  # as many blocks as fit, at least the floor, at most all
+            want = max(min(room, states), floor * block)
+            return want - block < held <= want + 4096 * (held // block)  # each block page-rounded
+
+        assert fills(share, _part(rows[1, "cpu", "none"], "rollback copies"), 2), (host_gib, ranks)
+        room = share - 4 * partition  # the accumulators stay resident beside the window
+        assert fills(room, _part(rows[2, "nvme", "none"], WINDOW_PART), 4), (host_gib, ranks)
+        on_nvme = _part(rows[3, "nvme", "none"], GRADS_ON_NVME_PART) > 0
+        assert on_nvme == (4 * partition > share), (host_gib, ranks)
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
@@ -232,3 +324,32 @@ def test_the_daemon_quota_holds_the_state_blocks_in_every_state_dtype(state_dtyp
     assert with_daemon.host_bytes - row.host_bytes == sum(session.values()) > 0
     assert (UNDO_COPY_PART in session) == (state_dtype != "fp32") != (UNDO_LOG_PART in session)
     assert session.get(UNDO_COPY_PART, 0) >= copy
+
+
+@pytest.mark.parametrize("key,dtype,nbytes", [("torch_dtype", "float16", 2), ("dtype", "bfloat16", 2),
+                                              ("torch_dtype", "float32", 4), (None, None, 4)])
+def test_hf_config_dtype_is_the_compute_dtype(tmp_path, capsys, key, dtype, nbytes):
+    """Issue 41: --hf-config took fp32 whatever the config.json said. Its ``torch_dtype`` (``dtype`` in
+    transformers 5) is the compute dtype now: the rows are those of --dtype with it, and the title names it;
+    --dtype and a --config's bf16 / fp16 sections still decide where given."""
+    pytest.importorskip("transformers")
+    from tests.offload import hf_models as hf
+
+    hf.llama_config().save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    for k in ("dtype", "torch_dtype"):
+        fields.pop(k, None)
+    if key is not None:
+        fields[key] = dtype
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    model = ["--hf-config", str(tmp_path), "--no-baseline", "--no-gpu", "--host-gib", "8", "--nvme-gib", "8"]
+    flag = {2: "bf16", 4: "fp32"}[nbytes]
+    assert _json_rows(capsys, *model) == _json_rows(capsys, *model, "--dtype", flag)
+    assert main(["estimate", *model, "--stage", "3"]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert f"{nbytes}-byte compute dtype" in title and (dtype is None or f"({dtype}, the config.json's)" in title)
+    other = {2: "fp32", 4: "bf16"}[nbytes]
+    assert _json_rows(capsys, *model, "--dtype", other) != _json_rows(capsys, *model)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_batch_size": 1, "zero_optimization": {"stage": 3}}))  # fp32
+    assert _json_rows(capsys, *model, "--config", str(config)) == _json_rows(capsys, *model, "--dtype", "fp32")
