@@ -103,7 +103,9 @@ class SwapClaim:
 
     async def _claim(self, path: str) -> None:
         if not await aiofiles.ospath.isdir(path):
-            raise SwapIOError(errno.ENOENT, f"swap path {path} does not exist or is not a directory")
+            raise SwapIOError(errno.ENOENT, f"swap path {path} does not exist or is not a directory: make it first "
+                                            f"(mkdir -p {path}, writable by the daemon's user) or name an existing "
+                                            f"directory on an NVMe drive in [swap] paths")
         try:
             guard = await _open(os.path.join(path, ".ofl-daemon.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:

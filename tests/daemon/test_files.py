@@ -19,7 +19,7 @@ import pytest
 
 from daemon.client import DaemonConnection, TierClient, TierClientConfig
 from daemon.protocol import PROTOCOL_VERSION, Kind
-from tests.daemon.conftest import REPO, write_config
+from tests.daemon.conftest import REPO, STORE, write_config
 from tests import child_pythonpath
 
 MiB = 1 << 20
@@ -229,3 +229,19 @@ def test_the_sweep_runs_off_the_event_loop_through_aiofiles(swap_dir):
     assert files_under(swap_dir) == ["ofl-daemon-0.lock"]
     claim.close()
     assert files_under(swap_dir) == [] and os.listdir(swap_dir) == [".ofl-daemon.lock"]
+
+
+@pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
+def test_a_missing_swap_path_is_named_with_how_to_make_it(tmp_path):
+    """The README's node.toml names /nvme0/offload: where it does not exist the daemon stops at start,
+    saying which path and what to do."""
+    missing = tmp_path / "nvme0" / "offload"
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    config = write_config(str(workdir))
+    text = Path(config).read_text()
+    start = text.index("paths = ")
+    Path(config).write_text(text[:start] + f'paths = ["{missing}"]' + text[text.index("\n", start):])
+    out = run_cli(config)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"swap path {missing} does not exist" in out.stderr and f"mkdir -p {missing}" in out.stderr, out.stderr

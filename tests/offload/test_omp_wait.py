@@ -94,12 +94,17 @@ finally:
     for b in busy:
         b.kill()
         b.wait()
+def delay_ns():
+    with open(f"/proc/self/task/{os.getpid()}/schedstat") as f:
+        return int(f.read().split()[1])
+t0, d0 = time.monotonic(), delay_ns()
 off = not work(15, until=False)
+share = (delay_ns() - d0) / 1e9 / (time.monotonic() - t0)  # how long the main thread waited for a CPU meanwhile
 for _ in range(40):  # the freed pool's worker exits on its own time
     if len(os.listdir("/proc/self/task")) < threads_on:
         break
     time.sleep(0.05)
-print("on", on, "off", off, "threads", threads_on, len(os.listdir("/proc/self/task")))
+print("on", on, "off", off, "threads", threads_on, len(os.listdir("/proc/self/task")), "share", share)
 """
 
 
@@ -117,7 +122,12 @@ def test_the_team_is_held_while_the_cpus_are_contended_and_let_go_after():
     environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
     out = subprocess.run([sys.executable, "-c", WATCH], env=environ, capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()
-    assert out[:4] == ["on", "True", "off", "True"], out
+    assert out[:2] == ["on", "True"], out
+    share, calm = float(out[8]), WaitWatchConfig().off_delay_share
+    if out[3] != "True" and share >= calm:  # the machine's own condition, measured: not calm, so held is right
+        pytest.skip(f"other work on this machine kept the process waiting for a CPU {share:.0%} of the time after "
+                    f"its own busy loops ended: the team is let go only after calm intervals (under {calm:.0%})")
+    assert out[2:4] == ["off", "True"], out
     threads_on, threads_after = int(out[5]), int(out[6])
     assert threads_after < threads_on, "the team's thread and its worker are gone once released"
 
