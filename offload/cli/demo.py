@@ -9,6 +9,10 @@ under a ``rich`` progress bar (loss, tokens/s, tier I/O in GB/s from the deltas 
 lived, bytes moved, the time ``step()`` waited on I/O and its share of the step, the
 first, last and validation loss, and the loss curve drawn in the terminal
 (``offload.cli.termplot``), or also as a PNG where matplotlib is importable.
+
+With ``daemon_socket`` (or ``$OFFLOAD_DAEMON_SOCKET``) it trains through that node
+daemon instead of the embedded store: the states are a session of the daemon's, in
+its pool and its swap, and no swap directory is made here.
 """
 from __future__ import annotations
 
@@ -26,9 +30,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from csrc.errors import ConfigError
+from offload.config import OffloadSectionConfig, resolve_daemon_socket
 from offload.units import format_bytes
 from offload.models import GPT, CharTokenizer, GPTConfig, TextWindows, load_corpus, split_tokens
-from offload.cli.termplot import plot_lines
+from offload.cli.termplot import describe_columns, plot_lines
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +71,14 @@ class DemoConfig:
     offload_device: str = "nvme"
     """Where the optimizer states go: "nvme", "cpu" or "none" (offload_optimizer.device)."""
     swap_dir: str | None = None
-    """Directory for the NVMe swap file; None: a TemporaryDirectory removed at the end."""
+    """Directory for the NVMe swap file; None: a TemporaryDirectory removed at the end (none through a
+    daemon, which swaps to its own paths)."""
+    daemon_socket: str | None = None
+    """Unix socket of a node daemon to train through (offload.daemon_socket); None: $OFFLOAD_DAEMON_SOCKET
+    where set, else the embedded store."""
+    job_id: str | None = None
+    """The job id the daemon keys the session by (offload.job_id); None: the engine's ($TORCHELASTIC_RUN_ID,
+    else "default")."""
     seed: int = 0
     """Seed of the model's init and of the training windows' offsets."""
     state_dtype: str = "fp32"
@@ -111,6 +123,9 @@ class DemoConfig:
                               f"got {self.delayed_update_warmup_steps!r}")
         if not self.lr > 0:
             raise ConfigError(f"DemoConfig.lr must be > 0, got {self.lr!r}")
+        for name in ("daemon_socket", "job_id"):
+            if getattr(self, name) == "":
+                raise ConfigError(f"DemoConfig.{name} must be a non-empty string or None, got ''")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,11 +150,16 @@ class DemoResult:
 def ds_config(config: DemoConfig, nvme_path: str | None) -> dict[str, Any]:
     """The DeepSpeed-style config dict that ``offload.initialize`` is given."""
     offload_optimizer: dict[str, Any] = {"device": config.offload_device}
-    if config.offload_device == "nvme":
+    if config.offload_device == "nvme" and nvme_path is not None:  # none through a daemon: its own paths
         offload_optimizer["nvme_path"] = nvme_path
     extra: dict[str, Any] = {}
+    if config.daemon_socket is not None:
+        extra["offload"] = {"daemon_socket": config.daemon_socket}
+    if config.job_id is not None:
+        extra.setdefault("offload", {})["job_id"] = config.job_id
     if config.delayed_update_warmup_steps is not None:
-        extra["offload"] = {"delayed_update": True, "delayed_update_warmup_steps": config.delayed_update_warmup_steps}
+        extra.setdefault("offload", {}).update(delayed_update=True,
+                                               delayed_update_warmup_steps=config.delayed_update_warmup_steps)
     if config.state_dtype != "fp32":
         extra.setdefault("offload", {})["state_dtype"] = config.state_dtype
     if config.master_dtype != "fp32":
@@ -285,9 +305,19 @@ def save_png(losses: list[float], path: str) -> None:
     plt.close(fig)
 
 
+def _swap_dir(config: DemoConfig, socket: str | None, stack: contextlib.ExitStack) -> str | None:
+    """The nvme_path to configure: the user's --swap-dir, else a temporary directory; none through a daemon,
+    which swaps to its own paths."""
+    if config.offload_device != "nvme" or config.swap_dir is not None or socket is not None:
+        return config.swap_dir
+    return stack.enter_context(tempfile.TemporaryDirectory(prefix="offload-demo-"))
+
+
 def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResult:
     """Train, show progress and the summary on ``console``, and return what was measured."""
     _check_plot_path(config.plot_path)
+    socket = resolve_daemon_socket(OffloadSectionConfig(daemon_socket=config.daemon_socket))
+    config = replace(config, daemon_socket=socket)  # the engine is given the socket the demo decided by
     console = console or Console()
     text = load_corpus()
     tokenizer = CharTokenizer(text)
@@ -301,12 +331,11 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
         if config.compute_threads:
             stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(config.compute_threads)
-        swap_dir = config.swap_dir
-        if config.offload_device == "nvme" and swap_dir is None:
-            swap_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="offload-demo-"))
+        swap_dir = _swap_dir(config, socket, stack)
         import offload
 
-        engine, _, loader, _ = offload.initialize(model=model, config=ds_config(config, swap_dir), training_data=train)
+        engine, _, loader, _ = offload.initialize(model=model, config=ds_config(config, swap_dir),
+                                                  training_data=train)
         stack.callback(engine.close)
         rank0 = engine.global_rank == 0
         device = getattr(engine, "device", torch.device("cpu"))
@@ -315,7 +344,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
         losses, seconds = _train(engine, loader, config, tokens_per_step, console, config.show_progress and rank0)
         val_after = _evaluate(engine, val, config.micro_batch, device)
         stats = engine.offload_stats()
-    if config.offload_device == "nvme" and config.swap_dir is None:  # the summary names no removed directory
+    if config.offload_device == "nvme" and config.swap_dir is None and socket is None:  # no removed directory named
         stats = replace(stats, tier=stats.tier.replace(swap_dir, "a temporary directory, removed at the end"))
     result = DemoResult(config=config, num_parameters=model.num_parameters(),
                         vocab_size=tokenizer.vocab_size, corpus_chars=len(text), world_size=engine.world_size,
@@ -357,7 +386,9 @@ def format_summary(result: DemoResult) -> str:
         f"({c.val_windows} held-out windows)",
         f"time       {result.train_seconds:.1f} s training, {tokens / result.train_seconds:,.0f} tokens/s",
         "",
-        "training loss per optimizer step",
+        # The labels are column means, not the first loss printed above: the caption says so.
+        f"training loss per optimizer step, {describe_columns(len(losses), c.plot_width_chars)} "
+        "(y labels: the highest and lowest column)",
     ]
     plot = plot_lines(losses, width=c.plot_width_chars, height=c.plot_height_rows)
     axis = plot[0].index("┤")

@@ -164,7 +164,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     given = {"steps": args.steps, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
              "n_layer": args.n_layer, "n_embd": args.n_embd, "offload_device": args.device,
-             "swap_dir": args.swap_dir, "seed": args.seed, "plot_path": args.plot,
+             "swap_dir": args.swap_dir, "daemon_socket": args.daemon_socket, "job_id": args.job_id,
+             "seed": args.seed, "plot_path": args.plot,
              "delayed_update_warmup_steps": args.delayed_update}
     # A flag left out keeps DemoConfig's default, so the defaults live in one place.
     config = DemoConfig(show_progress=not args.no_progress, **{k: v for k, v in given.items() if v is not None})
@@ -210,7 +211,12 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     m.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (1)")
     m.add_argument("--n-layer", type=int, help="decoder blocks (5)")
     m.add_argument("--n-embd", type=int, help="model width (128)")
-    m.add_argument("--swap-dir", help="directory for the swap file (a temporary directory)")
+    m.add_argument("--swap-dir", help="directory for the swap file (a temporary directory; none with a daemon)")
+    m.add_argument("--daemon-socket", metavar="PATH",
+                   help="train through the node daemon at this Unix socket, offload.daemon_socket "
+                        "(default: $OFFLOAD_DAEMON_SOCKET if set, else the embedded store)")
+    m.add_argument("--job-id", help="the job id the daemon keys the session by, offload.job_id "
+                                    "(default: $TORCHELASTIC_RUN_ID, else 'default')")
     m.add_argument("--seed", type=int, help="model init and data seed (0)")
     m.add_argument("--delayed-update", type=int, metavar="WARMUP",
                    help="the one-step delayed parameter update after WARMUP ordinary steps (off)")

@@ -81,10 +81,16 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     engine = _construct(EngineConfig, origin, "", batch=_batch(top, world_size), optimizer=optimizer,
                         scheduler=scheduler, fp16=fp16, bf16=bf16, zero=zero, aio=aio, offload=offload,
                         checkpoint=checkpoint, data_types=data_types, raw=_freeze(raw), **fields)
+    daemon = resolve_daemon_socket(offload)
     for dotted, offload_config in (("zero_optimization.offload_optimizer", zero.offload_optimizer),
                                    ("zero_optimization.offload_param", zero.offload_param)):
-        if offload_config.device is OffloadDevice.NVME:
-            _check_writable_dir(f"{dotted}.nvme_path", offload_config.nvme_path)
+        if offload_config.device is not OffloadDevice.NVME or daemon:  # a daemon swaps to its own paths
+            continue
+        if offload_config.nvme_path is None:
+            raise ConfigError(f"{dotted}.nvme_path=None: set it (a writable directory) when device is 'nvme', or "
+                              "train through a node daemon (offload.daemon_socket or OFFLOAD_DAEMON_SOCKET), "
+                              "which swaps to its own paths")
+        _check_writable_dir(f"{dotted}.nvme_path", offload_config.nvme_path)
     return engine
 
 

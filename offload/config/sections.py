@@ -62,9 +62,7 @@ def _device(obj: object) -> None:
     if not isinstance(value, OffloadDevice):
         _fail(obj, "device", "one of " + ", ".join(repr(d.value) for d in OffloadDevice))
     object.__setattr__(obj, "device", value)
-    _text(obj, "nvme_path")
-    if value is OffloadDevice.NVME and obj.nvme_path is None:  # type: ignore[attr-defined]
-        _fail(obj, "nvme_path", "set (a writable directory) when device is 'nvme'")
+    _text(obj, "nvme_path")  # required for 'nvme' without a daemon: checked where the daemon is known (offload.config.read)
 
 
 # ---- the sections ------------------------------------------------------------------------

@@ -252,6 +252,19 @@ def test_unknown_optimizer_type_lists_the_supported_ones():
 
 # ---- nvme_path: exists, is a directory, is writable (checked by creating a file) ------------------
 
+def test_nvme_needs_a_path_without_a_daemon_and_none_with_one(monkeypatch):
+    """Through a node daemon the state swaps to the daemon's own paths: nvme_path may be left out (and is not
+    probed); without one it is required, and the error says both ways out."""
+    monkeypatch.delenv("OFFLOAD_DAEMON_SOCKET", raising=False)
+    cfg = with_batch(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"},
+                                        "offload_param": {"device": "nvme"}})
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path=None: set it .*or train through a node daemon"):
+        read(cfg)
+    assert read(dict(cfg, offload={"daemon_socket": "/nowhere/d.sock"})).zero.offload_optimizer.nvme_path is None
+    monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", "/nowhere/d.sock")
+    assert read(cfg).zero.offload_param.device is OffloadDevice.NVME
+
+
 def test_nvme_path_that_does_not_exist(tmp_path):
     missing = str(tmp_path / "no" / "such")
     with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path=.*no.*such.*no such directory"):
@@ -498,7 +511,7 @@ def test_missing_json_file(tmp_path):
 @pytest.mark.parametrize("build, field", [
     (lambda: ZeroConfig(stage=4), "ZeroConfig.stage"),
     (lambda: AioConfig(block_size=1000), "AioConfig.block_size"),
-    (lambda: OffloadOptimizerConfig(device="nvme"), "OffloadOptimizerConfig.nvme_path"),
+    (lambda: OffloadOptimizerConfig(device="gpu"), "OffloadOptimizerConfig.device"),
     (lambda: Fp16Config(hysteresis=0), "Fp16Config.hysteresis"),
     (lambda: OptimizerConfig(type="sgd"), "OptimizerConfig.type"),
     (lambda: SchedulerConfig(type="WarmupDecayLR"), "SchedulerConfig.total_num_steps"),

@@ -10,7 +10,11 @@ from rich.console import Console
 
 from csrc.errors import ConfigError
 from offload import cli
-from offload.cli.demo import DemoConfig, ds_config, run_demo
+from offload.cli.demo import DemoConfig, DemoResult, ds_config, format_summary, run_demo
+from offload.engine_stats import EngineStats
+from tests.daemon.conftest import STORE
+from tests.daemon.prom import scrape
+from tests.daemon.test_refusals import errors
 
 TINY = dict(steps=40, micro_batch=8, block_size=32, n_layer=1, n_head=2, n_embd=32, lr=1e-2, warmup_steps=5,
             val_windows=16, show_progress=False)
@@ -113,3 +117,85 @@ def test_progress_lines_when_not_a_terminal_and_no_removed_swap_dir_in_the_summa
 def test_progress_lines_wait_for_the_interval():
     _, text = _run(steps=3, offload_device="cpu", show_progress=True, progress_interval_seconds=3600.0)
     assert [line.split()[1] for line in text.splitlines() if line.startswith("step ")] == ["3/3"], text
+
+
+def test_ds_config_names_the_daemon_and_the_job():
+    """Issue 41: --daemon-socket and --job-id reach the engine as offload.daemon_socket and offload.job_id,
+    beside the demo's other offload keys; without them the config names no daemon (the engine's own rule,
+    $OFFLOAD_DAEMON_SOCKET else the embedded store, then applies)."""
+    ds = ds_config(DemoConfig(daemon_socket="/run/offload/daemon.sock", job_id="demo-41",
+                              delayed_update_warmup_steps=3), None)
+    assert ds["offload"] == {"daemon_socket": "/run/offload/daemon.sock", "job_id": "demo-41",
+                             "delayed_update": True, "delayed_update_warmup_steps": 3}
+    assert "offload" not in ds_config(DemoConfig(), "/some/dir")
+    with pytest.raises(ConfigError, match="daemon_socket"):
+        DemoConfig(daemon_socket="")
+
+
+def _recording_tempdirs(monkeypatch, tmp_path):
+    made = []
+    real = tempfile.TemporaryDirectory
+
+    def recording(*args, **kwargs):
+        made.append(real(*args, dir=str(tmp_path), **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", recording)
+    return made
+
+
+@pytest.mark.skipif(STORE != "swap", reason="needs the real swap layer in the daemon")
+@pytest.mark.parametrize("named_by", ["flag", "env"])
+def test_demo_trains_through_the_daemon_it_is_pointed_at(named_by, daemon, tmp_path, monkeypatch, capsys, caplog):
+    """Issue 41: `offload demo --daemon-socket PATH` (or $OFFLOAD_DAEMON_SOCKET) trains through that daemon:
+    its session comes (the job's steps in the daemon's metrics) and goes (no session at the end), no error
+    is counted, and the demo neither makes a swap directory nor warns about an nvme_path it chose itself."""
+    caplog.set_level("WARNING")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the session's reattach token, not in the real one
+    made = _recording_tempdirs(monkeypatch, tmp_path)
+    argv = ["demo", "--steps", "4", "--n-layer", "1", "--n-embd", "32", "--job-id", "demo-41", "--no-progress"]
+    if named_by == "flag":
+        argv += ["--daemon-socket", daemon.socket_path]
+    else:
+        monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", daemon.socket_path)
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"device nvme, tier daemon {daemon.socket_path} (job 'demo-41', rank 0)" in out, out
+    assert made == []
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "nvme_path" in m or "is not used" in m], said
+    assert daemon.status()["sessions"] == []
+    key = tuple(sorted({"uid": str(os.getuid()), "job": "demo-41", "rank": "0"}.items()))
+    assert scrape(daemon.metrics_port)[("offload_job_steps_total", key)] == 4
+    assert errors(daemon.metrics_port) == {}
+
+
+def _summary(losses, width):
+    stats = EngineStats(optimizer_device="cpu", tier="embedded TierStore (host memory)", state_bytes_by_tier={},
+                        bytes_read_total=0, bytes_written_total=0, io_wait_seconds_total=0.0,
+                        step_seconds_total=1.0, optimizer_steps=len(losses), skipped_steps=0)
+    result = DemoResult(config=DemoConfig(plot_width_chars=width, plot_height_rows=3), num_parameters=1000,
+                        vocab_size=60, corpus_chars=1000, world_size=1, losses=losses, val_loss_before=4.0,
+                        val_loss_after=2.0, tokens_per_step=64, train_seconds=1.0, stats=stats)
+    return format_summary(result).splitlines()
+
+
+def test_the_loss_chart_says_it_plots_column_means_and_labels_their_range():
+    """Issue 41: the chart's top label was a column mean, not the first loss printed above it, and nothing
+    said so. Its caption names what a column is, and the labels are the highest and lowest column mean."""
+    losses = [4.24, 3.9, 3.7, 3.6, 3.55, 3.2, 3.1, 3.0, 2.95, 2.9, 2.6, 2.55, 2.5, 2.45, 2.4,
+              2.3, 2.3, 2.25, 2.2, 2.2]
+    means = [sum(losses[i:i + 5]) / 5 for i in range(0, 20, 5)]  # 4 columns of 5 steps
+    lines = _summary(losses, width=4)
+    caption = next(i for i, line in enumerate(lines) if line.startswith("training loss"))
+    assert "mean of 5 steps per column" in lines[caption], lines[caption]
+    top, bottom = lines[caption + 1], lines[caption + 3]
+    assert top.split("┤")[0].strip() == f"{max(means):.2f}" == "3.80"
+    assert bottom.split("┤")[0].strip() == f"{min(means):.2f}"
+    assert "4.240 at step 1" in "\n".join(lines)  # the first loss, which no column shows alone
+
+    lines = _summary(losses[:3], width=4)  # fewer steps than columns: each column is one step
+    caption = next(i for i, line in enumerate(lines) if line.startswith("training loss"))
+    assert "one step per column" in lines[caption]
+    assert lines[caption + 1].split("┤")[0].strip() == "4.24"
+    assert lines[caption + 3].split("┤")[0].strip() == "3.70"

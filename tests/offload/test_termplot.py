@@ -2,7 +2,7 @@
 import pytest
 
 from csrc.errors import ConfigError
-from offload.cli.termplot import bucket_means, plot_lines
+from offload.cli.termplot import bucket_means, describe_columns, plot_lines
 
 
 def test_bucket_means():
@@ -36,3 +36,18 @@ def test_constant_series_is_full_height():
 def test_empty_series_is_an_error():
     with pytest.raises(ConfigError):
         plot_lines([])
+
+
+@pytest.mark.parametrize("count, width, text", [(300, 60, "mean of 5 steps per column"),
+                                                (42, 8, "mean of 5-6 steps per column"),
+                                                (3, 60, "one step per column"),
+                                                (60, 60, "one step per column")])
+def test_describe_columns_counts_the_values_a_column_averages(count, width, text):
+    """42 steps in 8 columns: buckets of 5 and 6 (bucket_means: sizes differ by at most one)."""
+    assert describe_columns(count, width) == text
+
+
+def test_labels_are_the_highest_and_lowest_column_mean():
+    values = [9.0, 1.0, 5.0, 4.0, 3.0, 2.5]  # column means 5, 4.5, 2.75: the first value is no label
+    lines = plot_lines(values, width=3, height=2)
+    assert [line.split(" ┤")[0].strip() for line in lines] == ["5.00", "2.75"]
