@@ -117,6 +117,7 @@ class Engine:
         self.resumed_step: int | None = None  # the step this process resumed from the daemon at, if it did
         self.last_checkpoint: str | None = None
         self.stop_requested = False  # SIGTERM: finish the step, commit, detach, exit
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word, if given
         self._closed = False
 
     # -- DeepSpeed's accessors -----------------------------------------------------------
@@ -156,7 +157,16 @@ class Engine:
         return self.config.zero.stage
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next ``step()`` steps: the caller's word (``set_gradient_accumulation_boundary``), else
+        every ``gradient_accumulation_steps``-th micro-batch."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's call, made by Accelerate and the HF Trainer before each backward: whether this micro-batch
+        ends an accumulation cycle (a short last cycle of an epoch too). None: count micro-batches again."""
+        self._boundary = None if is_boundary is None else bool(is_boundary)
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -216,15 +226,16 @@ class Engine:
             return value.to(self.compute_dtype)
         return value
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss`` scaled by the loss scale / accumulation steps; reduces gradients as they come."""
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` scaled by the loss scale / accumulation steps (``scale_wrt_gas=False``: by the loss
+        scale only, the caller divided already, as the HF Trainer does); reduces gradients as they come."""
         with self._daemon_alive():
-            out = self._backward(loss)
+            out = self._backward(loss, scale_wrt_gas)
         if self.stage3 is not None:
             self.stage3.coordinator.park()
         return out
 
-    def _backward(self, loss: torch.Tensor) -> torch.Tensor:
+    def _backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
         gas = self.gradient_accumulation_steps()
         final = self.is_gradient_accumulation_boundary()
         stage2 = self.config.zero.stage >= 2  # stage 3 reduces every micro-step too
@@ -243,7 +254,7 @@ class Engine:
         t0 = time.perf_counter()
         self.adam.storage.begin_landing()
         self.reducer.begin(reduce=reduce, first=first, final=final)
-        factor = self.scaler.scale / gas
+        factor = self.scaler.scale / gas if scale_wrt_gas else self.scaler.scale
         (loss * factor if factor != 1.0 else loss).backward()
         if overlap is not None:
             overlap.backward_done()
@@ -266,6 +277,9 @@ class Engine:
             if self.heap_trimmer is not None:
                 self.heap_trimmer.after_step()  # [Note: host heap creep]
         self.micro_steps += 1
+        if boundary and self._boundary is not None:  # a cycle the caller ended early: the next one starts afresh
+            gas = self.gradient_accumulation_steps()
+            self.micro_steps = -(-self.micro_steps // gas) * gas
         if boundary and self.commit is not None:
             if self.delayed is not None:
                 self.delayed.finish()  # the committed state is a finished step's ([Note: delayed update])

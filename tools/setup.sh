@@ -75,6 +75,6 @@ fi
 pip_install torch==2.13.0
 echo "setup: installing this project in place and compiling its C (cffi, gcc)"
 # triton: the batched copy kernel's tests run under its interpreter; hf: the Hugging Face models' tests
-pip_install -e '.[test,triton,hf]'
+pip_install -e '.[test,triton,hf,lightning]'
 stamp >"$STAMP_FILE"
 echo "setup: done. \`source .venv/bin/activate\` puts the offload command on PATH (or run .venv/bin/offload)"

@@ -98,14 +98,7 @@ def test_png_is_written(tmp_path):
 def test_progress_lines_when_not_a_terminal_and_no_removed_swap_dir_in_the_summary(tmp_path, monkeypatch):
     """Output to a file (not a terminal): a plain progress line per interval (0 s here: every step,
     the last one included); the summary does not name the temporary swap directory removed at the end."""
-    made = []
-    real = tempfile.TemporaryDirectory
-
-    def recording(*args, **kwargs):
-        made.append(real(*args, dir=str(tmp_path), **kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(tempfile, "TemporaryDirectory", recording)
+    made = _recording_tempdirs(monkeypatch, tmp_path)
     result, text = _run(steps=4, offload_device="nvme", show_progress=True, progress_interval_seconds=0.0)
     lines = [line for line in text.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/4", "2/4", "3/4", "4/4"], text
