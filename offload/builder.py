@@ -35,6 +35,7 @@ from offload.report import reporter_for
 from offload.runtime.omp_wait import quiet_omp_waits
 from offload.runtime.rendezvous import attempt_store, open_job_store
 from offload.tiers import Tier, open_tier
+from offload.zero.external import register_known_reads
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.node_buffers import open_node_buffers, write_own_shards
@@ -154,6 +155,18 @@ def _ranks() -> RankInfo:
     return RankInfo(rank=rank, world_size=world, local_rank=local, device=device, group=None)
 
 
+def _renamed_groups(model_parameters: Iterable, names: dict[int, str], now: dict[str, torch.nn.Parameter]) -> list:
+    """``model_parameters`` (params, or param groups) with each of the model's old param objects replaced by
+    the param of the same name now (a model built under ``init_context`` gets new ones); others as they were."""
+    def follow(p):
+        name = names.get(id(p))
+        return now[name] if name is not None and name in now else p
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [dict(g, params=[follow(p) for p in g["params"]]) for g in items]
+    return [follow(p) for p in items]
+
+
 def _param_groups(model: torch.nn.Module, model_parameters: Iterable | None) -> list[dict[str, Any]]:
     """torch-style param groups (dicts with "params") over trainable parameters of ``model``."""
     items = list(model.parameters() if model_parameters is None else model_parameters)
@@ -170,6 +183,17 @@ def _param_groups(model: torch.nn.Module, model_parameters: Iterable | None) -> 
     if not groups:
         raise ConfigError("the model has no trainable parameters")
     return groups
+
+
+def _refuse_adapters_on_meta(model: torch.nn.Module) -> None:
+    """PEFT's adapters over a model built under ``init_context`` are not supported: the init replay and the
+    pretrained load know the base model's names, not the wrapper's, and would give the adapters the base's
+    init ([Note: init replay] in offload.hf.model_init)."""
+    if any(type(m).__module__.startswith("peft.") for m in model.modules()) \
+            and any(p.is_meta for p in model.parameters()):
+        raise ConfigError("a PEFT model over a base built under offload.init_context is not supported: build the base "
+                          "whole (from_pretrained outside the context), then get_peft_model; stage 3 partitions and "
+                          "offloads its frozen weights at initialize")
 
 
 def _compute_dtype(config: EngineConfig) -> torch.dtype:
@@ -220,8 +244,24 @@ def _node_buffers(cfg: EngineConfig, layout: FlatLayout, ranks: RankInfo, shard:
 
 
 def _scheduler(lr_scheduler: Any, config: EngineConfig, optimizer: torch.optim.Optimizer) -> Any:
+    """The LR scheduler over the engine's optimizer: the caller's (a factory called with it, or one built over
+    the client optimizer, re-pointed at the engine's, whose param groups it then drives: the client optimizer
+    is only read), else the config's, else None."""
     if lr_scheduler is not None:
-        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        client = getattr(lr_scheduler, "optimizer", None)
+        if isinstance(client, torch.optim.Optimizer) and client is not optimizer:
+            if len(client.param_groups) != len(optimizer.param_groups):
+                raise ConfigError(f"lr_scheduler drives an optimizer of {len(client.param_groups)} param groups, the "
+                                  f"engine's has {len(optimizer.param_groups)}: build it over the optimizer passed "
+                                  "to initialize(optimizer=...), or pass a function of the optimizer")
+            for mine, theirs in zip(optimizer.param_groups, client.param_groups):
+                mine["lr"] = theirs["lr"]  # where the scheduler has put it (its first step ran at construction)
+                if "initial_lr" in theirs:
+                    mine["initial_lr"] = theirs["initial_lr"]
+            lr_scheduler.optimizer = optimizer
+        return lr_scheduler
     if config.scheduler is not None:
         return build_scheduler(config.scheduler, optimizer)
     return None
@@ -267,9 +307,15 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
 
     dtype = _compute_dtype(cfg)
     stage3 = zero.stage == 3
+    if stage3:
+        _refuse_adapters_on_meta(model)
+        register_known_reads(model)  # [Note: external parameters]: PEFT's DoRA reads its base layer's weight
     record = init_record_of(model) if stage3 and init_fn_of(model) is None else None
     init_steps = plan_steps(model, record) if record is not None else None  # on the meta params, before they go
+    before = {id(p): n for n, p in model.named_parameters()}  # the client's groups name these objects
     meta = stage3 and replace_meta_params(model, dtype, ranks.device)  # built under offload.init_context
+    if meta and model_parameters is not None:  # the meta params are new objects now: follow them by name
+        model_parameters = _renamed_groups(model_parameters, before, dict(model.named_parameters()))
     groups = _param_groups(model, model_parameters)
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in groups for p in g["params"]]
@@ -292,7 +338,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                              param_init_fn=init_fn_of(model), offload=cfg.offload,
                              init_steps=init_steps if any(isinstance(s, InitStep) for s in init_steps or ()) else None,
                              pretrained=pending_load_of(model))
-        layout = parts.layout
+        layout = parts.optimizer_layout  # the trainable units only ([Note: frozen units] in offload.zero.units)
         flat_params = torch.empty(0, dtype=dtype, device=ranks.device)  # stage 3 holds no full copy
         flat_grads = None  # nor a full gradient buffer: [Note: unit gradients]
     else:

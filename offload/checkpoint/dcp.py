@@ -1,7 +1,9 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (DCP): save, load (onto any world size), consolidate.
 
 What a checkpoint holds, one DCP entry each:
-- ``module.<key>``: the module's state dict as it is (compute dtype; buffers and frozen params too);
+- ``module.<key>``: the module's state dict as it is (compute dtype; buffers and frozen params too; at
+  stage 3 a frozen param's entry is written from this rank's shards and read back into them, chunk by
+  chunk as the optimizer entries: ``_Frozen``);
 - ``optim.<param>.<kind>`` for kind in master / exp_avg / exp_avg_sq: the fp32 optimizer state of
   each trainable parameter as a 1-D tensor of its numel. Each rank contributes the runs it holds
   as chunks (``_Entry``; with partitioned state, stages 1-2 over several ranks, the runs differ by
@@ -115,9 +117,10 @@ class _Entry:
     implements) with one chunk per run, so DCP plans the writes and reads of any partitioning, and
     loads onto any other, with no collective here and no ShardedTensor ([Note: streaming state])."""
 
-    def __init__(self, runs: list[_Run], numel: int) -> None:
-        self.runs = runs
+    def __init__(self, runs: list, numel: int, dtype: torch.dtype = torch.float32) -> None:
+        self.runs = runs  # each with a param_offset and a numel
         self.numel = numel
+        self.dtype = dtype
 
     def size(self) -> torch.Size:
         return torch.Size([self.numel])
@@ -129,7 +132,7 @@ class _Entry:
         return [self._chunk(run) for run in self.runs]
 
     def __create_write_items__(self, fqn: str, _: object) -> list[WriteItem]:
-        props = TensorProperties(dtype=torch.float32)
+        props = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size([run.param_offset])), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=self._chunk(run), properties=props, size=self.size()))
                 for run in self.runs]
@@ -167,6 +170,76 @@ class _Lazy:
         return state[kind * n:(kind + 1) * n]
 
 
+@dataclasses.dataclass(frozen=True)
+class _ShardRun:
+    """Elements [param_offset, param_offset + numel) of a frozen param live at shard_offset in unit's shard."""
+
+    unit: int
+    shard_offset: int
+    param_offset: int
+    numel: int
+
+
+class _Frozen:
+    """The module entries of the frozen params stage 3 partitions ([Note: frozen units] in offload.zero.units):
+    each rank writes the runs its shards hold, in the compute dtype, and a load writes them back into the
+    shards, one shard acquired at a time, so no process holds the frozen model whole. Empty at stages 0-2."""
+
+    def __init__(self, engine) -> None:
+        self.entries: dict[str, tuple[list[_ShardRun], int]] = {}  # "module.<key>" -> (runs, numel)
+        self.shapes: dict[str, tuple[int, ...]] = {}  # "<key>" -> the param's shape (its entry is 1-D)
+        stage3 = getattr(engine, "stage3", None)
+        if stage3 is None:
+            self.shards, self.ids = None, set()
+            return
+        layout, plan, params = stage3.layout, stage3.coordinator.plan, stage3.coordinator.params
+        self.shards = stage3.shards
+        runs: dict[int, tuple[list[_ShardRun], int]] = {}  # id(param) -> (this rank's runs, numel)
+        shape_of: dict[int, tuple[int, ...]] = {}
+        for b in layout.buckets[plan.trainable_units:]:
+            lo, hi = b.shard_start(layout.rank), b.shard_start(layout.rank) + b.shard_numel
+            for i in b.slots:
+                slot = layout.slots[i]
+                a, z = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                runs[id(params[i])] = ([_ShardRun(b.index, a - lo, a - slot.offset, z - a)] if a < z else [],
+                                       slot.numel)  # (a parked param is empty: [Note: parked params])
+                shape_of[id(params[i])] = slot.shape
+        self.ids = set(runs)
+        for key, value in engine.module.state_dict(keep_vars=True).items():
+            if id(value) in runs:
+                self.entries[f"module.{key}"] = runs[id(value)]
+                self.shapes[key] = shape_of[id(value)]
+
+    def placeholders(self) -> dict[str, _Entry]:
+        return {key: _Entry(runs, numel, self.shards.dtype) for key, (runs, numel) in self.entries.items()}
+
+    def _overlaps(self, key: str, start: int, length: int) -> Iterator[tuple[_ShardRun, int, int, int]]:
+        for run in self.entries[key][0]:
+            a, b = max(start, run.param_offset), min(start + length, run.param_offset + run.numel)
+            if a < b:
+                yield run, a - run.param_offset, a - start, b - a
+
+    def read(self, key: str, start: int, length: int) -> torch.Tensor:
+        out = torch.empty(length, dtype=self.shards.dtype)
+        for run, run_off, out_off, n in self._overlaps(key, start, length):
+            shard = self.shards.acquire(run.unit)
+            try:
+                at = run.shard_offset + run_off
+                out[out_off:out_off + n].copy_(shard[at:at + n])
+            finally:
+                self.shards.release(run.unit, dirty=False)
+        return out
+
+    def write(self, key: str, start: int, tensor: torch.Tensor) -> None:
+        for run, run_off, in_off, n in self._overlaps(key, start, tensor.numel()):
+            shard = self.shards.acquire(run.unit)
+            try:
+                at = run.shard_offset + run_off
+                shard[at:at + n].copy_(tensor.reshape(-1)[in_off:in_off + n])
+            finally:
+                self.shards.release(run.unit, dirty=True)
+
+
 def _progress(total_bytes: int, what: str):
     """A rich progress bar for long transfers on a terminal, else None."""
     if total_bytes < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
@@ -180,12 +253,14 @@ def _progress(total_bytes: int, what: str):
 
 
 class _SavePlanner(dcp.DefaultSavePlanner):
-    def __init__(self, lazy: _Lazy, resident: _Resident, progress) -> None:
+    def __init__(self, lazy: _Lazy, resident: _Resident, progress, frozen: _Frozen) -> None:
         super().__init__()
-        self.lazy, self.resident, self.progress = lazy, resident, progress
+        self.lazy, self.resident, self.progress, self.frozen = lazy, resident, progress, frozen
 
     def resolve_data(self, write_item):
         key = write_item.index.fqn
+        if key in self.frozen.entries:
+            return self.frozen.read(key, write_item.tensor_data.chunk.offsets[0], write_item.tensor_data.chunk.sizes[0])
         if key not in self.lazy.entries:
             return super().resolve_data(write_item)
         kind = self.lazy.entries[key][0]
@@ -200,9 +275,9 @@ class _SavePlanner(dcp.DefaultSavePlanner):
 
 
 class _LoadPlanner(dcp.DefaultLoadPlanner):
-    def __init__(self, lazy: _Lazy, resident: _Resident, progress) -> None:
+    def __init__(self, lazy: _Lazy, resident: _Resident, progress, frozen: _Frozen) -> None:
         super().__init__()
-        self.lazy, self.resident, self.progress = lazy, resident, progress
+        self.lazy, self.resident, self.progress, self.frozen = lazy, resident, progress, frozen
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         # DCP's set-up replaces every value that is not a tensor, a DTensor or plain data with None:
@@ -213,12 +288,17 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
         self.state_dict.update(entries)
 
     def resolve_tensor(self, read_item):
+        if read_item.dest_index.fqn in self.frozen.entries:
+            return torch.empty(list(read_item.lengths), dtype=self.frozen.shards.dtype)
         if read_item.dest_index.fqn not in self.lazy.entries:
             return super().resolve_tensor(read_item)
         return torch.empty(list(read_item.lengths), dtype=torch.float32)
 
     def commit_tensor(self, read_item, tensor) -> None:
         key = read_item.dest_index.fqn
+        if key in self.frozen.entries:
+            base = read_item.dest_index.offset[0] if read_item.dest_index.offset is not None else 0
+            return self.frozen.write(key, base + read_item.dest_offsets[0], tensor)
         if key not in self.lazy.entries:
             return super().commit_tensor(read_item, tensor)
         kind = self.lazy.entries[key][0]
@@ -239,19 +319,20 @@ def _quiet_single_process():
         yield
 
 
-def _module_state(engine) -> dict[str, Any]:
+def _module_state(engine, frozen: _Frozen) -> dict[str, Any]:
     """The module's state dict; with stage 3 less its trainable params (their storage is released
-    between uses, and their values are the fp32 masters the optimizer entries hold)."""
+    between uses, and their values are the fp32 masters the optimizer entries hold) and its partitioned
+    frozen ones (``frozen``'s entries)."""
     if getattr(engine, "stage3", None) is None:
         return engine.module.state_dict()
-    trainable = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    return {k: v.detach() for k, v in engine.module.state_dict(keep_vars=True).items() if id(v) not in trainable}
+    skip = {id(p) for g in engine.optimizer.param_groups for p in g["params"]} | frozen.ids
+    return {k: v.detach() for k, v in engine.module.state_dict(keep_vars=True).items() if id(v) not in skip}
 
 
-def _engine_meta(engine) -> dict[str, Any]:
+def _engine_meta(engine, frozen: _Frozen) -> dict[str, Any]:
     meta = engine.small_state()
     del meta["rng"], meta["client_state"]  # per rank, and the caller's: entries of their own
-    meta.update(params=[(s.name, s.shape) for s in engine.layout.slots],
+    meta.update(params=[(s.name, s.shape) for s in engine.layout.slots], frozen_shapes=dict(frozen.shapes),
                 module_keys=list(engine.module.state_dict().keys()), world_size=engine.world_size,
                 stage=engine.config.zero.stage, dtype=str(engine.compute_dtype), aliases=_aliases(engine),
                 model_config=model_config_json(engine.module),
@@ -283,10 +364,11 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
     """Save to ``save_dir/tag`` (tag defaults to ``global_step<N>``); every rank calls it. Returns the path."""
     tag = tag or f"global_step{engine.global_steps}"
     path = os.path.join(save_dir, str(tag))
-    lazy = _Lazy(engine)
-    state: dict[str, Any] = {f"module.{k}": v for k, v in _module_state(engine).items()}
+    lazy, frozen = _Lazy(engine), _Frozen(engine)
+    state: dict[str, Any] = {f"module.{k}": v for k, v in _module_state(engine, frozen).items()}
+    state.update(frozen.placeholders())
     state.update(lazy.placeholders())
-    state["engine"] = _bytes(_engine_meta(engine))
+    state["engine"] = _bytes(_engine_meta(engine, frozen))
     state["client_state"] = _bytes(client_state)
     state[f"rng.rank{engine.global_rank}"] = _bytes(rng_state())
     resident = _Resident(lazy.storage, write=False)
@@ -295,7 +377,7 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
     try:
         with _quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1),
-                     planner=_SavePlanner(lazy, resident, progress), no_dist=not dist.is_initialized())
+                     planner=_SavePlanner(lazy, resident, progress, frozen), no_dist=not dist.is_initialized())
     except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
         # every rank gets it: DCP gathers the ranks' write errors before it returns
         raise failed_save(path, err, created=created and engine.global_rank == 0) from err
@@ -323,8 +405,15 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
         logger.warning("no checkpoint in %s (tag %s): nothing loaded", load_dir, tag or "from 'latest'")
         return None, {}
     metadata = dcp.FileSystemReader(path).read_metadata()
-    lazy = _Lazy(engine)
-    state: dict[str, Any] = {f"module.{k}": v for k, v in _module_state(engine).items()}
+    lazy, frozen = _Lazy(engine), _Frozen(engine)
+    state: dict[str, Any] = {f"module.{k}": v for k, v in _module_state(engine, frozen).items()}
+    state.update(frozen.placeholders())
+    for key, (_, numel) in frozen.entries.items():
+        saved = metadata.state_dict_metadata.get(key)
+        if saved is not None and tuple(saved.size) != (numel,):
+            raise ConfigError(f"checkpoint {path} holds {key[len('module.'):]!r} as a whole tensor of shape "
+                              f"{tuple(saved.size)}: it was saved at stages 0-2, and stage 3 loads a frozen parameter "
+                              "only from a stage 3 checkpoint (its shards)")
     missing = [k for k in lazy.entries if k not in metadata.state_dict_metadata]
     if load_optimizer_states and missing:
         raise ConfigError(f"checkpoint {path} has no optimizer state for {missing[0]!r} "
@@ -340,8 +429,8 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
     progress = _progress(lazy.total_bytes if load_optimizer_states else 0, f"loading {path}")
     try:
         with _quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner(lazy, resident, progress),
-                     no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path),
+                     planner=_LoadPlanner(lazy, resident, progress, frozen), no_dist=not dist.is_initialized())
     finally:
         resident.close()
         if progress is not None:
@@ -350,6 +439,8 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
                                scheduler=load_lr_scheduler_states, rng=False)
     if engine.stage3 is not None and load_optimizer_states:
         engine.stage3.reload_from_masters(engine.adam)
+    elif frozen.entries:
+        engine.stage3.coordinator.after_step()  # the frozen shards changed: drop what is gathered of them
     if rng_key in state:
         set_rng_state(pickle.loads(state[rng_key]))
     client_state = pickle.loads(state["client_state"])
@@ -392,6 +483,7 @@ class _Saved:
             dcp.load(holder, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
         self.meta = pickle.loads(holder["engine"])
         self.shapes = dict(self.meta["params"])
+        self.frozen_shapes = self.meta.get("frozen_shapes", {})  # stage 3's frozen params: 1-D entries
         self.aliases = self.meta.get("aliases", {})  # tied params: one optimizer entry, every name gets its master
 
     def entry(self, key: str) -> tuple[str, torch.Tensor]:
@@ -414,7 +506,8 @@ class _Saved:
         for key in keys:
             entry = self.entry(key)[0]
             name = self.aliases.get(key, key)
-            out[key] = state[entry].view(self.shapes[name]) if name in self.shapes else state[entry]
+            shape = self.shapes.get(name, self.frozen_shapes.get(key))
+            out[key] = state[entry].view(shape) if shape is not None else state[entry]
         return out
 
 

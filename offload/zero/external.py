@@ -9,7 +9,8 @@ that module's units: gathered before its forward and its backward, released afte
 landed as usual. The registry holds modules weakly and no attribute is set on any tensor; params
 replaced while a meta-built model is materialized are followed (``rebind``). Register before
 ``offload.initialize`` (in the module's ``__init__``, as with DeepSpeed); a registration after
-it takes effect from the next ``initialize``.
+it takes effect from the next ``initialize``. ``initialize`` registers the reads of known library
+modules itself (``register_known_reads``): PEFT's DoRA layers read their base layer's weight.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from csrc import ConfigError
 
 __all__ = ["register_external_parameter", "unregister_external_parameter", "external_parameters", "rebind",
-           "unregistered_read_error"]
+           "register_known_reads", "unregistered_read_error"]
 
 _registry: "weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Parameter]]" = weakref.WeakKeyDictionary()
 
@@ -58,6 +59,22 @@ def rebind(replaced: dict[int, torch.nn.Parameter]) -> None:
     """Params were replaced (id of the old one -> the new one): registrations follow them."""
     for params in _registry.values():
         params[:] = [replaced.get(id(p), p) for p in params]
+
+
+def register_known_reads(model: torch.nn.Module) -> int:
+    """Register the reads of library modules known to read a parameter another module owns; returns how many.
+    PEFT's LoRA layer with DoRA (``use_dora``) computes the norm of its base layer's weight in its own
+    forward, not the base layer's (known by duck typing: nothing of PEFT is imported here)."""
+    count = 0
+    for module in model.modules():
+        dora = getattr(module, "use_dora", None)
+        if type(module).__module__.startswith("peft.") and isinstance(dora, dict) and any(dora.values()) \
+                and hasattr(module, "get_base_layer"):
+            weight = getattr(module.get_base_layer(), "weight", None)
+            if isinstance(weight, torch.nn.Parameter):
+                register_external_parameter(module, weight)
+                count += 1
+    return count
 
 
 def _released(value: object, params: dict[int, torch.nn.Parameter]) -> bool:

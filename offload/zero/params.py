@@ -22,6 +22,15 @@ step writes the new params into the shards after backward, and ``after_step`` fr
 every unit as before. A gathered unit then holds no memory of its own (``peak_live_bytes``
 counts none), and forward and backward skip two copies of the model per step.
 
+[Note: frozen units in backward] A frozen unit ([Note: frozen units] in ``offload.zero.units``) is
+gathered again before its module's backward, as any unit (the module needs its weights for its
+inputs' gradients), but no gradient of its params ever comes to release it. So its module's
+forward pre-hook also hooks the gradients of the module's inputs that require one: once they are
+complete, the module's backward is past, and the unit is released (each forward with grad owes one
+such release; backward's end releases what is left). Inputs that need no gradient (a frozen
+embedding's output) leave the module nothing to compute in backward: its output needs no gradient
+either, and the unit is not gathered again at all.
+
 [Note: fetch order] Every step records the order units are fetched in (forward and
 backward). The last step's order drives the next: when unit u is fetched at position i,
 the shards of the units after i are prefetched from NVMe to host memory, up to
@@ -49,7 +58,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -165,11 +174,17 @@ class ParamCoordinator:
             self._device = UnitFetches(fetcher, shards, self._full, max_pinned=shards.window - 1 if shards.nvme else None)
         self._handles = []
         for module, units in plan.module_units:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
+            frozen = tuple(u for u in units if plan.is_frozen(u))
+            if frozen:  # [Note: frozen units in backward]
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(units, frozen),
+                                                                      with_kwargs=True))
+            else:
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(units)))
             self._handles.append(module.register_forward_hook(self._post_forward(units)))
         for i, p in enumerate(params):
-            if self._unit_of_param[i] not in plan.persistent:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done(self._unit_of_param[i])))
+            u = self._unit_of_param[i]
+            if u not in plan.persistent and not plan.is_frozen(u):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_done(u)))
 
     # -- gather and release ----------------------------------------------------------------
 
@@ -335,7 +350,21 @@ class ParamCoordinator:
 
     # -- hooks -----------------------------------------------------------------------------
 
-    def _pre_forward(self, units: tuple[int, ...]):
+    def _pre_forward(self, units: tuple[int, ...], frozen: tuple[int, ...] = ()):
+        if frozen:
+            def hook_frozen(module, args, kwargs):
+                for u in units:
+                    self._fwd_refs[u] += 1
+                    self.fetch(u)
+                if torch.is_grad_enabled():
+                    inputs = [t for t in tree_flatten((args, kwargs))[0]
+                              if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if inputs:
+                        torch.autograd.graph.register_multi_grad_hook(
+                            inputs, lambda grads: self._frozen_backward_done(frozen), mode="all")
+                return None
+            return hook_frozen
+
         def hook(module, args):
             for u in units:
                 self._fwd_refs[u] += 1
@@ -360,10 +389,20 @@ class ParamCoordinator:
                 self._backward_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
             for u in units:
-                if self._bwd_pending[u] == 0:
+                if self.plan.is_frozen(u):
+                    self._bwd_pending[u] += 1  # one module backward more owes its inputs' gradients
+                elif self._bwd_pending[u] == 0:
                     self._bwd_pending[u] = len(self.layout.buckets[u].slots)
                 self.fetch(u)
         return hook
+
+    def _frozen_backward_done(self, units: tuple[int, ...]) -> None:
+        """A module's backward computed its inputs' gradients: its frozen units are done with."""
+        for u in units:
+            if self._bwd_pending[u] > 0:
+                self._bwd_pending[u] -= 1
+                if self._bwd_pending[u] == 0:
+                    self.release(u)
 
     def _grad_done(self, u: int):
         def hook(param):
@@ -432,6 +471,16 @@ class ParamCoordinator:
                 else:
                     self.release(u)
             self.park()  # [Note: parked params]: safe at any time, every gather unparks first
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """Every partitioned parameter, in the layout's slot order (the trainable ones, then the frozen ones)."""
+        return list(self._params)
+
+    def units_of(self, params: Iterable[torch.Tensor]) -> list[int]:
+        """The units the given parameters are in (others ignored), in unit order."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        return sorted({self._unit_of_param[index[id(p)]] for p in params if id(p) in index})
 
     def stats(self) -> FetchStats:
         return FetchStats(gathers=self.gathers, peak_live_bytes=self.peak_live_bytes,

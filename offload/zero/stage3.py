@@ -46,6 +46,9 @@ class Stage3Parts:
     """What ``initialize`` wires in for stage 3."""
 
     layout: FlatLayout
+    """Every partitioned param's unit: the trainable ones, then the frozen ones ([Note: frozen units])."""
+    optimizer_layout: FlatLayout
+    """The trainable units only: the prefix of ``layout`` the optimizer state and the gradients cover."""
     shards: ShardStore
     coordinator: ParamCoordinator
     param_tier: Tier | None
@@ -141,6 +144,9 @@ def _log_partition(plan, rank: int, threshold: int) -> None:
     units = len(plan.buckets) - len(plan.persistent)
     line = ("rank %d: stage 3: %d param(s) partitioned in %d unit(s), %d kept whole (fewer than "
             "stage3_param_persistence_threshold %d elements)")
+    frozen = sum(len(plan.buckets[u]) for u in range(plan.trainable_units, len(plan.buckets)))
+    if frozen:
+        line += f"; {frozen} of them frozen, in units of their own with no optimizer state"
     if partitioned == 0:
         logger.warning(line + "; nothing is partitioned: lower the threshold to partition this model",
                        rank, partitioned, units, whole, threshold)
@@ -157,12 +163,17 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
     section, names one), put the params in their partitions, hook the modules. ``init_steps``
     (``offload.hf.model_init.plan_steps``): the recorded init to replay instead of ``reset_parameters``;
     ``pretrained`` (``offload.load_pretrained``): values read into the shards after the init."""
-    plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold)
-    params = [p for g in groups for p in g]
-    layout = flat_layout([(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
-                          for gi, g in enumerate(groups) for i, p in enumerate(g)],
-                         stage=3, reduce_bucket_size=zero.reduce_bucket_size, world_size=world_size, rank=rank,
-                         sub=sub_group_numel, bucket_plan=plan.buckets)
+    trainable = {id(p) for g in groups for p in g}
+    frozen = [p for p in model.parameters() if id(p) not in trainable and not p.requires_grad]
+    plan = plan_units(model, groups, persistence_threshold=zero.stage3_param_persistence_threshold, frozen=frozen)
+    params = [p for g in groups for p in g] + frozen
+    described = [(names.get(id(p), f"param{i}"), tuple(p.shape), gi)
+                 for gi, g in enumerate([*groups, frozen]) for i, p in enumerate(g)]
+    layout = flat_layout(described, stage=3, reduce_bucket_size=zero.reduce_bucket_size, world_size=world_size,
+                         rank=rank, sub=sub_group_numel, bucket_plan=plan.buckets)
+    optimizer_layout = layout if not frozen else flat_layout(
+        described[:len(params) - len(frozen)], stage=3, reduce_bucket_size=zero.reduce_bucket_size,
+        world_size=world_size, rank=rank, sub=sub_group_numel, bucket_plan=plan.buckets[:plan.trainable_units])
     _log_partition(plan, rank, zero.stage3_param_persistence_threshold)
     logger.debug("rank %d: stage 3 layout: %s", rank, layout.describe())
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -199,7 +210,7 @@ def build_stage3(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Para
         if tier is not None:
             tier.close()
         raise
-    return Stage3Parts(layout, shards, coordinator, tier, peak)
+    return Stage3Parts(layout, optimizer_layout, shards, coordinator, tier, peak)
 
 
 def _materialize(model, layout: FlatLayout, plan: UnitPlan, shards: ShardStore, coordinator: ParamCoordinator,
@@ -275,7 +286,7 @@ def _replay_init(model, layout: FlatLayout, shards: ShardStore, coordinator: Par
 
 
 def _real_writes(step, unit_of: dict[str, int]) -> list[str]:
-    """The trainable params a step writes for good (not through a tied alias; frozen ones are not in units)."""
+    """The partitioned params a step writes for good (not through a tied alias)."""
     if isinstance(step, model_init.Draw):
         return []
     return [n for n in step.writes if n in unit_of and n not in step.scratch]

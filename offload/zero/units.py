@@ -11,6 +11,16 @@ into one unit per param group that stays gathered for good, so small biases and 
 no collective per use. A tied parameter belongs to the first module that owns it; every
 module that owns it needs that unit (``UnitPlan.module_units``), and so does every module that
 registered it as external ([Note: external parameters]).
+
+[Note: frozen units] Parameters that are not trained (``requires_grad=False``: a LoRA model's
+base weights) are partitioned and offloaded as the trainable ones are, in units of their own
+(one extra param group, so no unit mixes the two), placed after every trainable unit. The
+layout over all units then begins with exactly the layout over the trainable units (the same
+buckets, offsets and shards), and the optimizer and the gradients use that prefix
+(``Stage3Parts.optimizer_layout``): the optimizer state covers the trainable params only; a
+checkpoint writes the frozen params from their shards (``offload.checkpoint.dcp``). A frozen unit
+gets no gradient, so backward releases it when the module's backward has computed its inputs'
+gradients, not when its params' gradients are accumulated ([Note: frozen units in backward]).
 """
 from __future__ import annotations
 
@@ -32,22 +42,35 @@ class UnitPlan:
     """The buckets of a stage-3 layout and how modules map onto them."""
 
     buckets: tuple[tuple[int, ...], ...]
-    """Param indexes (into the trainable params, in group order) per unit, in unit order."""
+    """Param indexes (into the trainable params in group order, then the frozen ones) per unit, in unit order."""
     persistent: frozenset[int]
     """Units that stay gathered."""
     module_units: tuple[tuple[torch.nn.Module, tuple[int, ...]], ...]
-    """(module, units its own params are in) for every module that owns trainable params."""
+    """(module, units its own params are in) for every module that owns partitioned params."""
+    trainable_units: int = -1
+    """Units ``0 .. trainable_units - 1`` hold the trainable params, the rest the frozen ones ([Note: frozen
+    units]); -1: all of them."""
+
+    def __post_init__(self) -> None:
+        if self.trainable_units < 0:
+            object.__setattr__(self, "trainable_units", len(self.buckets))
+
+    def is_frozen(self, u: int) -> bool:
+        return u >= self.trainable_units
 
 
 def plan_units(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parameter]], *,
-               persistence_threshold: int) -> UnitPlan:
-    """Cut the trainable params of ``groups`` (lists of params, the optimizer's param groups) into units."""
+               persistence_threshold: int, frozen: Sequence[torch.nn.Parameter] = ()) -> UnitPlan:
+    """Cut the trainable params of ``groups`` (lists of params, the optimizer's param groups) into units, and
+    the ``frozen`` params (not trained) into units of their own after them ([Note: frozen units])."""
     index_of: dict[int, int] = {}
     group_of: dict[int, int] = {}
-    for gi, params in enumerate(groups):
+    frozen_group = len(groups)
+    for gi, params in enumerate([*groups, frozen]):
         for p in params:
             group_of[id(p)] = gi
             index_of[id(p)] = len(index_of)
+    group_of_index = {index_of[k]: g for k, g in group_of.items()}
     buckets: list[tuple[int, ...]] = []
     unit_of: dict[int, int] = {}
     persistent_members: dict[int, list[int]] = {}
@@ -72,16 +95,22 @@ def plan_units(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parame
     placed = set(unit_of) | {i for m in persistent_members.values() for i in m}
     stray = [i for i in range(len(index_of)) if i not in placed]
     if stray:  # a param group holding tensors no module owns directly cannot happen; keep the plan whole anyway
-        logger.warning("stage 3: %d trainable params owned by no module: made persistent", len(stray))
-        by_index = {index_of[k]: group_of[k] for k in index_of}
+        logger.warning("stage 3: %d params owned by no module: made persistent", len(stray))
         for i in stray:
-            persistent_members.setdefault(by_index[i], []).append(i)
+            persistent_members.setdefault(group_of_index[i], []).append(i)
     persistent = set()
     for members in persistent_members.values():
         for i in members:
             unit_of[i] = len(buckets)
         persistent.add(len(buckets))
         buckets.append(tuple(members))
+    cold = {u for u, members in enumerate(buckets) if group_of_index[members[0]] == frozen_group}
+    if cold:  # the frozen units after the trainable ones, each side in its order
+        order = [u for u in range(len(buckets)) if u not in cold] + sorted(cold)
+        new = {old: k for k, old in enumerate(order)}
+        buckets = [buckets[old] for old in order]
+        unit_of = {i: new[u] for i, u in unit_of.items()}
+        persistent = {new[u] for u in persistent}
     readers = {id(m): m for m, _ in owners}
     for module in model.modules():  # [Note: external parameters]
         if id(module) not in readers and external_parameters(module):
@@ -91,4 +120,5 @@ def plan_units(model: torch.nn.Module, groups: Sequence[Sequence[torch.nn.Parame
                                            for p in [*own, *external_parameters(m)] if id(p) in index_of}
                                           - persistent)))
                          for m, own in owners)
-    return UnitPlan(tuple(buckets), frozenset(persistent), tuple(x for x in module_units if x[1]))
+    return UnitPlan(tuple(buckets), frozenset(persistent), tuple(x for x in module_units if x[1]),
+                    trainable_units=len(buckets) - len(cold))

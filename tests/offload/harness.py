@@ -141,6 +141,20 @@ def run_engine(model: nn.Module, config: dict[str, Any], batches: Iterable, *, g
     return losses, params
 
 
+def train_and_close(engine: Any, batches: Iterable, loss_of: Callable[[Any, Any, Any], torch.Tensor]) -> list[float]:
+    """One engine step per batch (``loss_of(engine, x, y)``), the losses; the engine closed after."""
+    losses = []
+    try:
+        for x, y in batches:
+            loss = loss_of(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        engine.close()
+    return losses
+
+
 def run_torch(model: nn.Module, batches: Iterable, *, optimizer: str = "AdamW", gas: int = 1,
               clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
               norms_out: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:

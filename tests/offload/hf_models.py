@@ -114,3 +114,17 @@ def build_meta(kind: str, config: dict, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     with init_context(config):
         return cls(model_config())
+
+
+def train_own_slices(engine, steps: int) -> list[float]:
+    """``steps`` optimizer steps of a causal LM on ``batches(steps)``, each rank on its own slice of the batch."""
+    rank, world = engine.global_rank, engine.world_size
+    per_rank = BATCH // world
+    losses = []
+    for ids in batches(steps):
+        mine = ids[rank * per_rank:(rank + 1) * per_rank]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -35,15 +35,8 @@ def main() -> None:
             net = cls(model_config())
         load_pretrained(net, ckpt)
     engine, _, _, _ = initialize(model=net, config=config)
-    rank, world = engine.global_rank, engine.world_size
-    per_rank = hf.BATCH // world
-    losses = []
-    for ids in hf.batches(steps):
-        mine = ids[rank * per_rank:(rank + 1) * per_rank]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    rank = engine.global_rank
+    losses = hf.train_own_slices(engine, steps)
     net.eval()
     tokens = net.generate(hf.batches(1, seed=9)[0][:1, :4], max_new_tokens=5, do_sample=False)
     engine.save_16bit_model(os.path.join(workdir, "out"))

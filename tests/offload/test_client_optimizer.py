@@ -11,7 +11,8 @@ import torch
 from cpu_adam import CPUAdam, CPUAdamW
 from csrc import ConfigError
 from offload.builder import initialize
-from tests.offload.harness import BETAS, EPS, LR, engine_config, loss_fn, make_batches, param_groups, twin_models
+from tests.offload.harness import (BETAS, EPS, LR, engine_config, loss_fn, make_batches, param_groups,
+                                   train_and_close, twin_models)
 
 STEPS = 6
 
@@ -89,3 +90,39 @@ def test_bad_client_optimizers_are_named():
         initialize(model=model, config=config, optimizer=CPUAdamW(groups))
     with pytest.raises(ConfigError, match=r"no \"optimizer\" section.*initialize\(optimizer=CPUAdam"):
         initialize(model=model, config=config)
+
+
+def test_a_scheduler_built_over_the_client_optimizer_drives_the_engines_lr():
+    """A torch scheduler made over the optimizer passed to initialize (as Accelerate and most scripts build it)
+    steps the engine's lr, as one made by a function of the engine's optimizer does."""
+    ours, theirs = twin_models()
+    config = engine_config(stage=2, device="cpu")
+    del config["optimizer"]
+    step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # noqa: E731
+    want = _train(theirs, config, optimizer=torch.optim.AdamW(_groups(theirs), lr=LR, betas=BETAS, eps=EPS),
+                  lr_scheduler=step_lr)
+    client = torch.optim.AdamW(_groups(ours), lr=LR, betas=BETAS, eps=EPS)
+    got = _train(ours, config, optimizer=client, lr_scheduler=step_lr(client))
+    assert [lrs[0] for lrs in want[2]] == [LR, LR, LR / 2, LR / 2, LR / 4, LR / 4]
+    assert got[2] == want[2] and got[0] == want[0]
+
+
+def test_a_client_optimizer_over_a_model_built_under_init_context(tmp_path):
+    """Stage 3 with the model built under init_context (its params are meta placeholders, replaced at
+    initialize): the client optimizer's groups, which name the placeholders, follow them to the engine's
+    params, and training is the config-named optimizer's, bit for bit (as DeepSpeed keeps its objects)."""
+    from offload.hf.init_context import init_context
+    from tests.offload import stage3_worker as w
+
+    def run(config, client):
+        torch.manual_seed(0)
+        with init_context(config):
+            net = w.Tiny()
+        opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.01) if client else None
+        engine, _, _, _ = initialize(model=net, config=config, optimizer=opt)
+        return train_and_close(engine, w.batches(4), lambda e, x, y: e(x, y))
+
+    config = w.config("cpu", "cpu", str(tmp_path))
+    want = run(config, client=False)
+    del config["optimizer"]
+    assert run(config, client=True) == want

@@ -17,7 +17,7 @@ from csrc import ConfigError
 from offload.builder import initialize
 from tests.offload.harness import (
     accumulate, assert_losses_close, engine_config, loss_fn, make_batches, param_groups, run_engine, torch_optimizer,
-    twin_models,
+    train_and_close, twin_models,
 )
 
 STEPS = 20
@@ -110,15 +110,7 @@ def test_the_demo_gpt_with_its_tied_head_matches_too():
               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
               "offload": {"delayed_update": True, "delayed_update_warmup_steps": WARMUP}}
     engine, _, _, _ = initialize(model=model, config=config)
-    losses = []
-    try:
-        for x, y in batches:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-    finally:
-        engine.close()
+    losses = train_and_close(engine, batches, lambda e, x, y: e(x, y))
     oracle = {"clip": 1.0, "loss_of": lambda m, x, y: m(x, y),
               "optimizer": lambda m: torch.optim.AdamW(m.parameters(), **hyper)}
     undelayed, _, _ = run_torch_delayed(copy.deepcopy(ref), batches, warmup=STEPS, **oracle)
