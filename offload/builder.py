@@ -7,7 +7,6 @@ this allocates memory or opens a file.
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from csrc import ConfigError, RendezvousError, StateTornError
+from csrc import ConfigError, StateTornError
 from offload.checkpoint.resume import (FINISH, FRESH, RESUME, ROLLBACK, TORN, CommitRegion, agree, inspect_session,
                                        open_undo, roll_back, step_multiplier, undo_exists, undo_slots)
 from offload.config import EngineConfig, OffloadDevice, read_config, resolve_daemon_socket, resolve_job_id, resolve_resume
@@ -33,7 +32,7 @@ from offload.plan.memory import OptimizerPlan, engine_optimizer_plan, flat_layou
 from offload.precision import LossScaler, LossScalerConfig
 from offload.report import reporter_for
 from offload.runtime.omp_wait import quiet_omp_waits
-from offload.runtime.rendezvous import attempt_store, open_job_store
+from offload.runtime.rendezvous import init_distributed
 from offload.tiers import Tier, open_tier
 from offload.zero.external import register_known_reads
 from offload.zero.grads import GradReducer
@@ -48,8 +47,6 @@ from offload.zero.unit_grads import UnitGradReducer
 
 logger = logging.getLogger(__name__)
 
-DIST_INIT_TIMEOUT_SECONDS = 600.0
-"""How long ``init_distributed`` waits for the other ranks of this attempt to meet it."""
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize"]
 
@@ -103,47 +100,6 @@ def _note_inert_settings(config: EngineConfig) -> None:
                      "(every shard is in host memory)")
     for item in inert:
         logger.info("accepted, no effect here: %s", item)
-
-
-def init_distributed(dist_backend: str | None = None, timeout_seconds: float | None = None) -> None:
-    """Join the ranks torchrun started (NCCL with GPUs, gloo without); a no-op for one process
-    or when torch.distributed is already initialized.
-
-    Under torchrun the ranks meet in a namespace of the job's store of their own attempt ([Note: attempt
-    generation]), so a job restarted after a lost rank forms its group again on every node. The meeting is
-    bounded by ``timeout_seconds`` (default ``OFFLOAD_INIT_TIMEOUT_SECONDS``, else 600 s); past it,
-    ``RendezvousError`` names what this rank waited for. The group's collectives keep torch's timeout."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # [Note: world group lifetime] Nothing may hold the world group but torch's registry, or
-    # it outlives destroy_process_group(); gloo's worker threads then live into interpreter
-    # exit, and one that drops a finished collective's tensors there aborts the process
-    # ("terminate called without an active exception"). So the engine's parts use group None
-    # (the default group), and torch.distributed.nn, whose functions take group.WORLD as a
-    # default argument, is imported before the group exists (the first optimizer imports it,
-    # through dynamo, otherwise).
-    importlib.import_module("torch.distributed.nn")
-    if timeout_seconds is None:
-        timeout_seconds = float(os.environ.get("OFFLOAD_INIT_TIMEOUT_SECONDS", DIST_INIT_TIMEOUT_SECONDS))
-    if "TORCHELASTIC_RUN_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
-        dist.init_process_group(backend=backend)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    base = open_job_store(host, port, world, rank=rank, timeout_seconds=timeout_seconds,
-                          agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-    attempt = attempt_store(base, rank, world, timeout_seconds=timeout_seconds)
-    try:
-        dist.init_process_group(backend=backend, store=attempt.store, rank=rank, world_size=world)
-    except RuntimeError as exc:  # gloo's connect to a peer of this generation
-        raise RendezvousError(
-            f"rank {rank}: the {backend} process group of generation {attempt.generation} (store "
-            f"{host}:{port}) did not form: {str(exc).splitlines()[0][:300]}") from exc
-    logger.info("rank %d joined generation %d of the job's store (torchrun restart %s on this node)", rank,
-                attempt.generation, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _ranks() -> RankInfo:

@@ -414,29 +414,9 @@ class Engine:
         """The module's state dict as CPU copies in the compute dtype, ties kept (DeepSpeed's
         ``_zero3_consolidated_16bit_state_dict``). At stage 3 every rank must call it: one unit is gathered at a
         time, and rank 0 gets the dict, the others an empty one, as DeepSpeed's. Stages 0-2: every rank."""
-        parts, module = self.stage3, self.module
-        unit_of: dict[int, int] = {}
-        if parts is not None:
-            by_name = {parts.layout.slots[i].name: b.index for b in parts.layout.buckets for i in b.slots}
-            unit_of = {id(p): by_name[n] for n, p in module.named_parameters() if n in by_name}
-        keep = parts is None or self.global_rank == 0
-        copies: dict[int, torch.Tensor | None] = {}
-        out: dict[str, torch.Tensor] = {}
-        held, current = contextlib.ExitStack(), None
-        with held, torch.no_grad():
-            for key, value in module.state_dict(keep_vars=True).items():
-                if exclude_frozen_parameters and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
-                    continue
-                if id(value) not in copies:
-                    unit = unit_of.get(id(value))
-                    if unit is not None and unit != current:  # every rank gathers the same units in this order
-                        held.close()
-                        held.enter_context(parts.coordinator.gathered_units([unit], free=True))
-                        current = unit
-                    copies[id(value)] = value.detach().to("cpu", copy=True) if keep else None
-                if keep:
-                    out[key] = copies[id(value)]
-        return out
+        from offload.hf.save import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     # -- state that outlives the process ---------------------------------------------------
 

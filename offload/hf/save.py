@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from offload.hf.safetensors_out import (DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWri
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_16bit_model"]
+__all__ = ["consolidated_16bit_state_dict", "gathered_state", "save_16bit_model"]
 
 
 def _state(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Tensor]:
@@ -49,31 +50,49 @@ def _state(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Ten
     return out
 
 
-def _save_safetensors(engine, save_dir: str, exclude_frozen: bool, max_shard_size_bytes: int) -> None:
-    module = engine.module
-    stage3 = getattr(engine, "stage3", None)
+def gathered_state(engine, exclude_frozen: bool) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """The module's state dict in order: (key, tensor, first), ``first`` False for a tied tensor met before. At
+    stage 3 the tensor's unit is gathered while it is yielded, one unit at a time (every rank must iterate)."""
+    module, stage3 = engine.module, getattr(engine, "stage3", None)
     unit_of: dict[int, int] = {}
     if stage3 is not None:
         by_name = {stage3.layout.slots[i].name: b.index for b in stage3.layout.buckets for i in b.slots}
         unit_of = {id(p): by_name[n] for n, p in module.named_parameters() if n in by_name}
-    writer = ShardedWriter(save_dir, max_shard_size_bytes=max_shard_size_bytes) if engine.global_rank == 0 else None
     seen: set[int] = set()
-    held = contextlib.ExitStack()
-    current = None
+    held, current = contextlib.ExitStack(), None
     with held, torch.no_grad():
         for key, value in module.state_dict(keep_vars=True).items():
-            if id(value) in seen or (exclude_frozen and isinstance(value, torch.nn.Parameter)
-                                     and not value.requires_grad):
+            if exclude_frozen and isinstance(value, torch.nn.Parameter) and not value.requires_grad:
                 continue
-            seen.add(id(value))
             unit = unit_of.get(id(value))
             if unit is not None and unit != current:  # one unit gathered at a time, in state dict order
                 held.close()
                 held.enter_context(stage3.coordinator.gathered_units([unit], free=True))
                 current = unit
-            if writer is not None:
-                for name, tensor in original_format(module, key, value):  # [Note: converted names]
-                    writer.add(name, tensor)
+            yield key, value, id(value) not in seen
+            seen.add(id(value))
+
+
+def consolidated_16bit_state_dict(engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """CPU copies in the compute dtype, ties kept; at stage 3 rank 0 gets them and the others an empty dict."""
+    keep = getattr(engine, "stage3", None) is None or engine.global_rank == 0
+    copies: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value, first in gathered_state(engine, exclude_frozen):
+        if keep:
+            if first:
+                copies[id(value)] = value.detach().to("cpu", copy=True)
+            out[key] = copies[id(value)]
+    return out
+
+
+def _save_safetensors(engine, save_dir: str, exclude_frozen: bool, max_shard_size_bytes: int) -> None:
+    module = engine.module
+    writer = ShardedWriter(save_dir, max_shard_size_bytes=max_shard_size_bytes) if engine.global_rank == 0 else None
+    for key, value, first in gathered_state(engine, exclude_frozen):
+        if first and writer is not None:
+            for name, tensor in original_format(module, key, value):  # [Note: converted names]
+                writer.add(name, tensor)
     if writer is not None:
         names = writer.close()
         write_config(save_dir, model_config_json(module), generation_config_json(module))

@@ -22,17 +22,26 @@ Every wait is bounded, and the error names what the rank waited for.
 from __future__ import annotations
 
 import datetime
+import importlib
+import logging
+import os
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from csrc.errors import RendezvousError
 
-__all__ = ["GENERATION_KEY", "AttemptStore", "attempt_store", "open_job_store"]
+__all__ = ["DIST_INIT_TIMEOUT_SECONDS", "GENERATION_KEY", "AttemptStore", "attempt_store", "init_distributed",
+           "open_job_store"]
 
+DIST_INIT_TIMEOUT_SECONDS = 600.0
+"""How long ``init_distributed`` waits for the other ranks of this attempt to meet it."""
 GENERATION_KEY = "offload/generation"
 _POLL_SECONDS = 0.02
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,3 +100,44 @@ def _wait_or_raise(deadline: float, timeout_seconds: float, what) -> None:
     if time.monotonic() > deadline:
         raise RendezvousError(f"{what()}, after {timeout_seconds:.0f} s")
     time.sleep(_POLL_SECONDS)
+
+
+def init_distributed(dist_backend: str | None = None, timeout_seconds: float | None = None) -> None:
+    """Join the ranks torchrun started (NCCL with GPUs, gloo without); a no-op for one process
+    or when torch.distributed is already initialized.
+
+    Under torchrun the ranks meet in a namespace of the job's store of their own attempt ([Note: attempt
+    generation]), so a job restarted after a lost rank forms its group again on every node. The meeting is
+    bounded by ``timeout_seconds`` (default ``OFFLOAD_INIT_TIMEOUT_SECONDS``, else 600 s); past it,
+    ``RendezvousError`` names what this rank waited for. The group's collectives keep torch's timeout."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # [Note: world group lifetime] Nothing may hold the world group but torch's registry, or
+    # it outlives destroy_process_group(); gloo's worker threads then live into interpreter
+    # exit, and one that drops a finished collective's tensors there aborts the process
+    # ("terminate called without an active exception"). So the engine's parts use group None
+    # (the default group), and torch.distributed.nn, whose functions take group.WORLD as a
+    # default argument, is imported before the group exists (the first optimizer imports it,
+    # through dynamo, otherwise).
+    importlib.import_module("torch.distributed.nn")
+    if timeout_seconds is None:
+        timeout_seconds = float(os.environ.get("OFFLOAD_INIT_TIMEOUT_SECONDS", DIST_INIT_TIMEOUT_SECONDS))
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend=backend)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    base = open_job_store(host, port, world, rank=rank, timeout_seconds=timeout_seconds,
+                          agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+    attempt = attempt_store(base, rank, world, timeout_seconds=timeout_seconds)
+    try:
+        dist.init_process_group(backend=backend, store=attempt.store, rank=rank, world_size=world)
+    except RuntimeError as exc:  # gloo's connect to a peer of this generation
+        raise RendezvousError(
+            f"rank {rank}: the {backend} process group of generation {attempt.generation} (store "
+            f"{host}:{port}) did not form: {str(exc).splitlines()[0][:300]}") from exc
+    logger.info("rank %d joined generation %d of the job's store (torchrun restart %s on this node)", rank,
+                attempt.generation, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
