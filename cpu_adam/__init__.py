@@ -15,6 +15,7 @@ from cpu_adam.kernels import (
 )
 from cpu_adam.optimizer import CPUAdam, CPUAdamW
 from cpu_adam.plan import AdamPlan
+from cpu_adam.threads import set_thread_source, team_stats, thread_source
 
 __all__ = [
     "AdamConfig",
@@ -28,4 +29,7 @@ __all__ = [
     "grad_land",
     "grad_sumsq",
     "resolve_isa",
+    "set_thread_source",
+    "team_stats",
+    "thread_source",
 ]

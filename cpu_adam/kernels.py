@@ -44,7 +44,7 @@ __all__ = [
     "stream_inplace",
 ]
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 ffi, lib = load_extension("csrc._adam", "ofl_adam_abi_version", ABI_VERSION, "the compiled Adam kernels")
 
 

@@ -18,7 +18,7 @@ SOURCES = ["adam.c", "adam_scalar.c", "adam_avx2.c", "adam_avx512.c", "adam_avx5
            "ofl_parallel.c", "adam_q8.c", "adam_q8_scalar.c", "adam_q8_avx2.c", "adam_q8_avx512.c",
            "adam_q8_avx512vbmi.c", "adam_master.c"]
 
-ffibuilder = make_builder("_adam", "ofl_adam.h", SOURCES, flags=["-O3", "-fno-math-errno"], libraries=["m"])
+ffibuilder = make_builder("_adam", "ofl_adam.h", SOURCES, flags=["-O3", "-fno-math-errno"], libraries=["m", "dl"])
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

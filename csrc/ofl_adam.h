@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#define OFL_ADAM_ABI_VERSION 7
+#define OFL_ADAM_ABI_VERSION 8
 
 /* Instruction-set paths. AUTO picks the best the CPU and OS support. */
 #define OFL_ISA_AUTO 0
@@ -212,5 +212,17 @@ int32_t ofl_adam_step_qm(const ofl_adam_config *config, int32_t state_dtype, int
  * of a tensor of that seed at that step (for tests and conversions). */
 int32_t ofl_bf16_round_sr(const float *x, uint16_t *out, int64_t n, uint64_t seed, uint32_t step,
                           int64_t first, int32_t isa);
+
+/* ---- where a call's threads come from ([Note: one thread team] in ofl_parallel.h) ---- */
+#define OFL_THREADS_POOL 0         /* the library's own pool of pthreads */
+#define OFL_THREADS_TEAM 1         /* the process's OpenMP team on the main thread (default) */
+
+/* Sets the mode for later calls, process-wide; -EINVAL for another value. */
+int32_t ofl_parallel_set_threads(int32_t mode);
+/* 1 when the process has one libgomp whose team the main thread's calls can run on. */
+int32_t ofl_parallel_team_found(void);
+/* out[0] calls run on the team, out[1] of them closed late (a member the scheduler ran
+ * late), out[2] the nanoseconds those closes waited past the caller's last task. */
+void ofl_parallel_team_stats(uint64_t *out);
 
 #endif /* OFL_ADAM_H */

@@ -2,11 +2,16 @@
  * [Note: static shares with stealing] in ofl_parallel.h. Linux only (futexes). */
 #define _GNU_SOURCE
 #include "ofl_parallel.h"
+#include "ofl_adam.h" /* OFL_THREADS_* and the team entry points */
 
+#include <dlfcn.h>
+#include <errno.h>
+#include <link.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -24,6 +29,9 @@
 /* How often the caller looks at its workers before it sleeps until they are done:
  * with stealing they finish within about one chunk of the caller (tens of microseconds). */
 #define OFL_CALLER_SPINS 4096
+/* A team call whose close waits longer than this past the caller's last task counts as late
+ * ([Note: one thread team] in ofl_parallel.h): a member the scheduler ran late. */
+#define OFL_TEAM_LATE_NS 200000u
 
 static void futex_wait(uint32_t *word, uint32_t expected) {
     syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
@@ -211,11 +219,113 @@ static void run_on_new_threads(ofl_task_fn fn, void *ctx, int32_t count) {
     }
 }
 
+/* ---- the process's OpenMP team: see [Note: one thread team] in ofl_parallel.h ---- */
+
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
+
+static struct {
+    int32_t mode;             /* OFL_THREADS_*: ofl_parallel_set_threads */
+    int32_t looked;           /* 1 once the lookup ran */
+    pid_t pid;                /* the process that loaded this library: a forked child uses the pool */
+    gomp_parallel_fn parallel; /* NULL: no single libgomp in the process */
+    uint64_t calls, late_calls, late_ns; /* written by the main thread only */
+} team = {.mode = OFL_THREADS_TEAM};
+
+__attribute__((constructor)) static void team_note_loader(void) { team.pid = getpid(); }
+
+typedef struct {
+    gomp_parallel_fn found;
+    int32_t libraries;
+} gomp_search;
+
+static int find_libgomp(struct dl_phdr_info *info, size_t size, void *arg) {
+    gomp_search *search = (gomp_search *)arg;
+    const char *slash = strrchr(info->dlpi_name, '/');
+    const char *base = slash ? slash + 1 : info->dlpi_name;
+    if (strncmp(base, "libgomp", 7) != 0) return 0;
+    search->libraries++;
+    void *handle = dlopen(info->dlpi_name, RTLD_NOW | RTLD_NOLOAD);
+    if (handle) {
+        search->found = (gomp_parallel_fn)dlsym(handle, "GOMP_parallel");
+        dlclose(handle); /* RTLD_NOLOAD took a reference to a library that stays loaded */
+    }
+    return 0;
+}
+
+/* The process's one libgomp, looked up once. None in a forked child: libgomp's pool there
+ * still lists the parent's threads, which the child does not have. */
+static gomp_parallel_fn process_team(void) {
+    if (getpid() != team.pid) return NULL;
+    if (!__atomic_load_n(&team.looked, __ATOMIC_ACQUIRE)) {
+        gomp_search search = {NULL, 0};
+        dl_iterate_phdr(find_libgomp, &search);
+        team.parallel = search.libraries == 1 ? search.found : NULL;
+        __atomic_store_n(&team.looked, 1, __ATOMIC_RELEASE);
+    }
+    return team.parallel;
+}
+
+/* The team this call runs on, or NULL for the pool: the main thread's only (torch runs its
+ * ops there; another thread would get a spinning team of its own beside torch's). */
+static gomp_parallel_fn team_for_this_thread(void) {
+    if (__atomic_load_n(&team.mode, __ATOMIC_RELAXED) != OFL_THREADS_TEAM) return NULL;
+    if ((pid_t)syscall(SYS_gettid) != getpid()) return NULL;
+    return process_team();
+}
+
+typedef struct {
+    ofl_task_fn fn;
+    void *ctx;
+    int32_t count;
+    pthread_t caller;
+    uint64_t caller_done_ns;
+    _Alignas(64) int32_t next; /* the next index to take */
+} team_job;
+
+/* Every member takes indices until none is left, so a member that starts late finds the
+ * work done and leaves at once. */
+static void team_member(void *arg) {
+    team_job *job = (team_job *)arg;
+    int32_t i;
+    while ((i = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->count) job->fn(job->ctx, i, job->count);
+    if (pthread_equal(pthread_self(), job->caller)) job->caller_done_ns = now_ns();
+}
+
+static void run_on_team(gomp_parallel_fn parallel, ofl_task_fn fn, void *ctx, int32_t count) {
+    team_job job = {fn, ctx, count, pthread_self(), 0, 0};
+    parallel(team_member, &job, (unsigned)count, 0);
+    uint64_t late = now_ns() - job.caller_done_ns;
+    team.calls++;
+    if (late > OFL_TEAM_LATE_NS) {
+        team.late_calls++;
+        team.late_ns += late;
+    }
+}
+
+int32_t ofl_parallel_set_threads(int32_t mode) {
+    if (mode != OFL_THREADS_POOL && mode != OFL_THREADS_TEAM) return -EINVAL;
+    __atomic_store_n(&team.mode, mode, __ATOMIC_RELAXED);
+    return 0;
+}
+
+int32_t ofl_parallel_team_found(void) { return process_team() != NULL; }
+
+void ofl_parallel_team_stats(uint64_t *out) {
+    out[0] = team.calls;
+    out[1] = team.late_calls;
+    out[2] = team.late_ns;
+}
+
 void ofl_parallel_run(ofl_task_fn fn, void *ctx, int32_t count) {
     if (count < 1) count = 1;
     if (count > OFL_MAX_THREADS) count = OFL_MAX_THREADS;
     if (count == 1) {
         fn(ctx, 0, 1);
+        return;
+    }
+    gomp_parallel_fn parallel = team_for_this_thread();
+    if (parallel) {
+        run_on_team(parallel, fn, ctx, count);
         return;
     }
     pthread_once(&pool_once, pool_init_once);

@@ -19,21 +19,29 @@ needs_two = pytest.mark.skipif(ALL < 2 or shutil.which("taskset") is None, reaso
 
 CHILD = textwrap.dedent("""
     import os, torch
-    from cpu_adam import AdamConfig, adam_step, default_num_threads
+    from cpu_adam import AdamConfig, adam_step, default_num_threads, team_stats
     n = 1 << 20
     p, g, m, v = (torch.randn(n) for _ in range(4)); v.abs_()
     before = len(os.listdir("/proc/self/task"))
     adam_step([p], [g], [m], [v], [torch.zeros(())], config=AdamConfig(lr=1e-3))
-    print(default_num_threads(), len(os.listdir("/proc/self/task")) - before)
+    print(default_num_threads(), len(os.listdir("/proc/self/task")) - before, team_stats().calls)
 """)
 
 
 def _child(cpus: str, **env: str) -> tuple[int, int]:
-    """(default_num_threads, threads the Adam step added) in a real process under ``taskset -c cpus``."""
-    e = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "OFL_NUM_THREADS")}
+    """(default_num_threads, threads the Adam step added) in a real process under ``taskset -c cpus``, the step
+    on the kernels' own pool (on torch's OpenMP team it adds none: test_pool.py)."""
+    threads, added, _ = _child_on(cpus, OFFLOAD_CPU_ADAM_THREADS="pool", **env)
+    return threads, added
+
+
+def _child_on(cpus: str, **env: str) -> tuple[int, int, int]:
+    """(default_num_threads, threads the step added, its calls on the OpenMP team)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "OFL_NUM_THREADS",
+                                                           "OFFLOAD_CPU_ADAM_THREADS")}
     out = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", CHILD], capture_output=True, text=True,
                          env={**e, **env}, check=True, timeout=120).stdout.split()
-    return int(out[0]), int(out[1])
+    return int(out[0]), int(out[1]), int(out[2])
 
 
 @needs_two
@@ -48,6 +56,8 @@ def test_a_process_on_two_cpus_uses_both():
     threads, added = _child(f"{MINE[0]},{MINE[1]}")
     assert threads == min(2, CAP)
     assert added == threads - 1  # the caller and one worker
+    if threads == 2:  # by default the step runs on torch's team: no thread of its own
+        assert _child_on(f"{MINE[0]},{MINE[1]}")[1:] in ((0, 1), (1, 0))  # (1, 0): no single libgomp here
 
 
 @needs_two
