@@ -18,11 +18,18 @@ DEFAULT_SOCKET = "/run/offload/daemon.sock"
 
 
 def _info(_: argparse.Namespace) -> int:
-    from cpu_adam import available_isas, default_num_threads, resolve_isa
+    from cpu_adam import available_isas, default_num_threads, resolve_isa, thread_source
+    from cpu_adam.threads import team_found
 
+    if thread_source() == "pool":
+        source = "its own pool (OFFLOAD_CPU_ADAM_THREADS=pool)"
+    elif team_found():
+        source = "torch's OpenMP team from the main thread, its own pool from others"
+    else:
+        source = "its own pool (no single libgomp loaded)"
     print(f"cpu_adam isa      {resolve_isa(None).name.lower()}")
     print(f"cpu_adam isas     {', '.join(i.name.lower() for i in available_isas())}")
-    print(f"cpu_adam threads  {default_num_threads()}")
+    print(f"cpu_adam threads  {default_num_threads()}, on {source}")
     return 0
 
 

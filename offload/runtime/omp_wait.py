@@ -32,6 +32,11 @@ CPU while runnable (``run_delay`` in ``/proc/self/task/<tid>/schedstat``). A ten
 starts the team; under 2% for 2 s in a row ends it (its thread exits, libgomp frees the pool and lowers
 its count), and torch's workers spin again.
 
+With CPU Adam on torch's own team ([Note: one thread team] in csrc/ofl_parallel.h) the watcher was measured
+again (``tools/bench/results/adam-one-team_2core-epyc_202611.md``, section 4): under two busy loops configs a
+and c took 5.0 s a step with it against 7.3-7.5 s without (libgomp's own waits); on the quiet machine it held
+the team in none of the runs. It stays.
+
 ``OFL_OMP_WAIT``: ``auto`` (the watcher, default; where the kernel keeps no run delay it never holds the
 team, libgomp's default), ``sleep`` (the team held for good), ``spin`` (never).
 Left alone too when the user chose (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set), and where it cannot

@@ -35,13 +35,17 @@ The summary checks the issue's targets per case: ours >= 1.0x torch fused (fp32)
 arrays (16 B a param) exceed the last-level cache. The load average (1 minute) at the
 end of each case is in the summary: other work on the machine moves every figure.
 
+--interleaved: CPUAdam as a user's loop runs it, one torch fused step then one of ours, paired, on our
+threads from torch's OpenMP team and from our own pool (tools/bench/adam_interleaved.py); --load busyN adds
+N busy loops for the whole run. --pool adds ``ours_pool`` (the kernels' own threads) to the fp32 cases.
+
 torch's OpenMP workers wait in the bench as they do in a process that called offload.initialize
 ([Note: OpenMP waits] in offload.runtime.omp_wait), for torch's steps and ours alike: --omp-waits auto (the default)
 spins as libgomp does until the CPUs are contended, then briefly; sleep always briefly (cheaper for our pool
 after a torch op, dearer for torch's small ops); spin never changes libgomp's default.
 
 Usage: python tools/bench/bench_adam.py [--shapes 1e6x1 1e7x10 ...] [--bf16 1e6 1e7 1e8] [--states 1e7 1e8]
-       [--rounds R] [--omp-waits auto|sleep|spin] [--out FILE]
+       [--rounds R] [--omp-waits auto|sleep|spin] [--pool] [--interleaved] [--load quiet|busyN] [--out FILE]
 Run under `flock /tmp/ofl-bench.lock` when other benchmarks share the machine.
 """
 from __future__ import annotations
@@ -61,10 +65,12 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cpu_adam import AdamConfig, CPUAdam, adam_step, default_num_threads, resolve_isa  # noqa: E402
+from cpu_adam import AdamConfig, CPUAdam, adam_step, default_num_threads, resolve_isa, set_thread_source  # noqa: E402
 from cpu_adam.kernels import stream_inplace  # noqa: E402
 from cpu_adam.state_memory import zeros_state_like  # noqa: E402
 from offload.runtime.omp_wait import quiet_omp_waits  # noqa: E402
+import adam_interleaved as interleaved  # noqa: E402  (a sibling module: the script's directory is on the path)
+from bench_contention import start_load, stop_load  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, WD, SCALE = 1e-4, 0.01, 1.0 / 1024.0
@@ -126,17 +132,28 @@ def _roofline(n: int, threads: int, huge_moments: bool) -> Callable[[], None]:
     return lambda: stream_inplace(a, b, c, d, num_threads=threads)
 
 
-def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool) -> dict[str, Callable[[], None]]:
+def _on(source: str, step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        set_thread_source(source)
+        step()
+    return run
+
+
+def fp32_contenders(n: int, tensors: int, threads: int, foreach: bool, pool: bool = False
+                    ) -> dict[str, Callable[[], None]]:
     sizes = _split(n, tensors)
     ours = _params_with_grads(sizes, 0)
     fused = _params_with_grads(sizes, 0)
     opt_ours = CPUAdam(ours, lr=LR, weight_decay=WD, num_threads=threads)
     opt_fused = torch.optim.AdamW(fused, lr=LR, weight_decay=WD, fused=True)
-    contenders = {"ours": opt_ours.step, "torch_fused": opt_fused.step}
+    contenders = {"ours": _on("team", opt_ours.step), "torch_fused": _on("team", opt_fused.step)}
+    if pool:  # the kernels' own threads ([Note: one thread team] in csrc/ofl_parallel.h)
+        opt_pool = CPUAdam(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, num_threads=threads)
+        contenders["ours_pool"] = _on("pool", opt_pool.step)
     if foreach:
         opt_foreach = torch.optim.AdamW(_params_with_grads(sizes, 0), lr=LR, weight_decay=WD, foreach=True)
         contenders["torch_foreach"] = opt_foreach.step
-    contenders["roofline"] = _roofline(n, threads, huge_moments=True)
+    contenders["roofline"] = _on("team", _roofline(n, threads, huge_moments=True))
     return contenders
 
 
@@ -403,13 +420,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per case; default by size (40-200)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--foreach", action="store_true", help="also time AdamW(foreach=True)")
-    ap.add_argument("--omp-waits", choices=("auto", "sleep", "spin"), default="auto",
+    ap.add_argument("--omp-waits", choices=("auto", "sleep", "spin"), default=None,
                     help="torch's OpenMP waits as offload.initialize sets them (OFL_OMP_WAIT, [Note: OpenMP waits]): "
-                         "auto, a short spin only while the CPUs are contended; sleep, always; spin, libgomp's default")
+                         "auto, a short spin only while the CPUs are contended; sleep, always; spin, libgomp's default "
+                         "(default: auto, and spin with --interleaved: a user's loop calls no offload.initialize)")
+    ap.add_argument("--pool", action="store_true", help="fp32 cases: also ours on the kernels' own threads")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="one torch fused step then one of ours, paired, team and pool (the fp32 shapes only)")
+    ap.add_argument("--load", default="quiet", help="quiet, or busyN: N busy loops for the whole run")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
+    if args.interleaved:
+        args.bf16, args.states = [], []
+    args.omp_waits = args.omp_waits or ("spin" if args.interleaved else "auto")
     torch.set_num_threads(args.threads)
     team = quiet_omp_waits(mode=args.omp_waits)
+    load = start_load(args.load)
+    try:
+        return _run(args, team)
+    finally:
+        stop_load(load)
+
+
+def _run(args: argparse.Namespace, team: int) -> int:
 
     header = [
         f"# CPU Adam benchmark, {datetime.date.today():%Y-%m-%d}",
@@ -419,7 +452,21 @@ def main(argv: list[str] | None = None) -> int:
         f"our ISA path: {resolve_isa(None).name.lower()}",
         f"- torch's OpenMP waits: {args.omp_waits}" + (f" (helper team of {team})" if team else ""),
         f"- command: `{' '.join(['python tools/bench/bench_adam.py', *sys.argv[1:]])}`",
-        f"- load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"- added load: {args.load}; load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+    ]
+    if args.interleaved:
+        header += ["- interleaved: one torch fused AdamW step, then at once one of ours, each timed alone "
+                   "(tools/bench/adam_interleaved.py); Mparams/s: median (p10-p90) over pairs"]
+        print("\n".join(header), flush=True)
+        rows = interleaved.run([_shape(t) for t in args.shapes],
+                               lambda n, tensors: lambda: _params_with_grads(_split(n, tensors), 0),
+                               lambda n: _rounds_for(n, args.rounds), LR, WD, args.threads, _emit)
+        footer = ["", f"- load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
+        print("\n".join(footer), flush=True)
+        if args.out:
+            args.out.write_text("\n".join(header + rows + footer) + "\n")
+        return 0
+    header += [
         "- contenders interleaved within each round, order shuffled; Mparams/s: median (p10-p90) "
         "over rounds; GB/s at 28 B/param; ratios: median of per-round ratios (p10-p90; min-max)",
         "",
@@ -433,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.shapes:
         n, tensors = _shape(text)
         rounds = _rounds_for(n, args.rounds)
-        samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach), rounds)
+        samples = measure(fp32_contenders(n, tensors, args.threads, args.foreach, args.pool), rounds)
         peers = [k for k in samples if k != "ours"]
         case = f"fp32 {n:.0e} x {tensors} ({rounds} rounds)"
         rows += _emit(summarize(case, n, samples, peers, summary))
