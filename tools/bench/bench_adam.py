@@ -54,7 +54,6 @@ import argparse
 import datetime
 import gc
 import os
-import platform
 import random
 import statistics
 import sys
@@ -70,6 +69,7 @@ from cpu_adam.kernels import stream_inplace  # noqa: E402
 from cpu_adam.state_memory import zeros_state_like  # noqa: E402
 from offload.runtime.omp_wait import quiet_omp_waits  # noqa: E402
 import adam_interleaved as interleaved  # noqa: E402  (a sibling module: the script's directory is on the path)
+from machine import cpu_description, llc_bytes  # noqa: E402
 from bench_contention import start_load, stop_load  # noqa: E402
 
 BYTES_PER_PARAM = 28
@@ -355,61 +355,6 @@ def _best_torch(samples: dict[str, list[float]]) -> dict[str, list[float]]:
 def _shape(text: str) -> tuple[int, int]:
     n, _, t = text.lower().partition("x")
     return int(float(n)), int(t or 1)
-
-
-def _cpu_fields() -> dict[str, str]:
-    """The first CPU's entries of /proc/cpuinfo (empty where it cannot be read)."""
-    fields: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return fields
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if not sep:
-            if fields:
-                break  # the first CPU is enough
-            continue
-        fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (bench_step names the machine with it)."""
-    return _cpu_fields().get("model name") or platform.processor() or platform.machine()
-
-
-def llc_bytes() -> int | None:
-    """Size of the last-level cache from sysfs, or None."""
-    cache = Path("/sys/devices/system/cpu/cpu0/cache")
-    for index in sorted(cache.glob("index*"), reverse=True):
-        try:
-            size = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    return None
-
-
-def cpu_description() -> str:
-    """CPU model, family/model/stepping and last-level cache, from /proc/cpuinfo and sysfs."""
-    fields = _cpu_fields()
-    if not fields:
-        return platform.processor() or platform.machine()
-    llc = "?"
-    cache = Path("/sys/devices/system/cpu/cpu0/cache")
-    for index in sorted(cache.glob("index*"), reverse=True):
-        try:
-            llc = f"L{(index / 'level').read_text().strip()} {(index / 'size').read_text().strip()}"
-            break
-        except OSError:
-            continue
-    avx512 = "avx512f" in fields.get("flags", "").split()
-    return (f"{fields.get('model name', 'unknown CPU')} ({fields.get('vendor_id', '?')}, family "
-            f"{fields.get('cpu family', '?')} model {fields.get('model', '?')} stepping "
-            f"{fields.get('stepping', '?')}), {os.cpu_count()} CPUs, last-level cache {llc}, "
-            f"AVX-512 {'yes' if avx512 else 'no'}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adam import cpu_description as _cpu_model  # noqa: E402  (one reader of the CPU's name for the benches)
+from machine import cpu_description as _cpu_model  # noqa: E402  (one reader of the CPU's name for the benches)
 from cpu_adam import resolve_isa  # noqa: E402
 from step_common import (EngineContender, TorchContender, _fmt, _load, engine_config, model_and_batches,  # noqa: E402
                          model_arguments, parse_step_args, publish)

@@ -28,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
-from bench_adam import cpu_description  # noqa: E402
+from machine import cpu_description  # noqa: E402
 
 from cpu_adam import AdamConfig, adam_step, default_num_threads, resolve_isa  # noqa: E402
 from cpu_adam.undo import UndoLog, undo_bytes  # noqa: E402

@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
-from bench_adam import cpu_description as _cpu_model  # noqa: E402
+from machine import cpu_description as _cpu_model  # noqa: E402
 from step_common import GPT, _fmt, _load, engine_config, publish  # noqa: E402
 
 JOB_ID = "bench-step-ranks"

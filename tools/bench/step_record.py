@@ -41,7 +41,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
-from bench_adam import cpu_description as _cpu_model  # noqa: E402
+from machine import cpu_description as _cpu_model  # noqa: E402
 from step_common import (GPT, EngineContender, _fmt, _load, engine_config, model_and_batches,  # noqa: E402
                          model_arguments, parse_step_args, publish, rotating_rounds)
 from step_ranks import SEGMENT_BYTES, _start_daemon  # noqa: E402

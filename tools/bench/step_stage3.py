@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_adam import cpu_description as _cpu_model  # noqa: E402
+from machine import cpu_description as _cpu_model  # noqa: E402
 from step_common import LR, WEIGHT_DECAY, TorchContender, _fmt, _load, publish  # noqa: E402
 
 from offload.builder import initialize  # noqa: E402
