@@ -18,16 +18,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 from csrc.errors import ConfigError
 from daemon.config import PoolConfig
 from daemon.files import SwapClaim
-from daemon.pool import NodePool
+from daemon.pool import Adoption, NodePool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["open_swap_backend", "SessionStore", "StoreBackend", "SwapBackend", "region_to_wire", "region_from_wire",
+__all__ = ["BackendAdoption", "open_swap_backend", "SessionStore", "StoreBackend", "SwapBackend", "region_to_wire", "region_from_wire",
            "stats_to_wire", "stats_from_wire"]
 
 try:  # the swap layer (issue 3); the daemon cannot serve without it
@@ -105,15 +106,26 @@ def _checked(swap: Mapping[str, Any], io: Mapping[str, Any], store: Mapping[str,
     return swap, store_config
 
 
+class BackendAdoption(NamedTuple):
+    """What a predecessor's backend left ([Note: adopted state] in ``daemon.journal``): its swap
+    directories and files (``SwapFile.record()`` each), and its pool's segments."""
+
+    swap_dirs: list[str]
+    swap_files: list[dict[str, Any]]
+    pool: Adoption
+
+
 async def open_swap_backend(pool: PoolConfig, swap: Mapping[str, Any], io: Mapping[str, Any],
-                            store: Mapping[str, Any], run_in_thread: Callable[..., Any]) -> "SwapBackend":
+                            store: Mapping[str, Any], run_in_thread: Callable[..., Any],
+                            adopt: BackendAdoption | None = None) -> "SwapBackend":
     """The daemon's backend: the config checked, the swap paths swept and claimed on the event loop
-    (``SwapClaim.open``, through aiofiles), then the engine, the preallocated swap files and the faulted
-    pool built by ``run_in_thread`` (the slow part, off the loop)."""
+    (``SwapClaim.open``, through aiofiles; with ``adopt``, the predecessor's directories taken over),
+    then the engine, the preallocated swap files and the faulted pool built by ``run_in_thread`` (the
+    slow part, off the loop)."""
     checked, _ = _checked(swap, io, store)
-    claim = await SwapClaim.open(checked["paths"])
+    claim = await SwapClaim.open(checked["paths"], adopt.swap_dirs if adopt else None)
     try:
-        return await run_in_thread(SwapBackend, pool, checked, io, store, claim)
+        return await run_in_thread(SwapBackend, pool, checked, io, store, claim, adopt)
     except BaseException:
         claim.close()  # idempotent: the backend may have closed it already
         raise
@@ -123,7 +135,7 @@ class SwapBackend:
     """The real thing: swap's HostPool/SwapSpace/engine/TierStore built from the daemon config."""
 
     def __init__(self, pool: PoolConfig, swap: Mapping[str, Any], io: Mapping[str, Any],
-                 store: Mapping[str, Any], claim: SwapClaim) -> None:
+                 store: Mapping[str, Any], claim: SwapClaim, adopt: BackendAdoption | None = None) -> None:
         """Built in a worker thread (it preallocates the swap files and faults the pool); ``claim`` is the
         swap paths' claim, made on the loop by ``open_swap_backend``, and this backend closes it."""
         self._claim = claim  # [Note: swap file ownership]
@@ -132,13 +144,17 @@ class SwapBackend:
         self._engine = self._space = self._pool = None
         self._slots: dict[int, int | None] = {}  # pool segment index -> its registered-buffer slot
         self._table_full = False
+        self.on_segment: Callable[[Any, bool], None] = lambda seg, made: None
+        """Told of every pool segment made (True) or dropped (False) after start: the state keeper."""
         try:
             swap["paths"] = list(self._claim.dirs)
             io = dict(io)
             io.setdefault("probe_paths", swap["paths"])  # AIO only where the swap paths take O_DIRECT
             self._engine = _swap.open_engine(_swap.IoEngineConfig(**io))
-            self._space = _swap.SwapSpace(_swap.SwapSpaceConfig(**swap), engine=self._engine)
-            self._pool = NodePool(pool, on_made=self._register, on_dropped=self._unregister)
+            self._space = _swap.SwapSpace(_swap.SwapSpaceConfig(**swap), engine=self._engine,
+                                          adopt=adopt.swap_files if adopt else None)
+            self._pool = NodePool(pool, on_made=self._register, on_dropped=self._unregister,
+                                  adopt=adopt.pool if adopt else None)
         except BaseException:
             self.close()
             raise
@@ -150,14 +166,18 @@ class SwapBackend:
         logger.info("swap: engine %s, %d file(s), %d bytes", self.engine_name, len(self._space.files),
                     self._space.capacity_bytes)
 
-    def open_store(self, quota_bytes: int, owner_uid: int) -> SessionStore:
-        """A store over ``quota_bytes`` (a whole number of segments) lent from the node pool."""
+    def open_store(self, quota_bytes: int, owner_uid: int, on_change: Callable[..., None] | None = None,
+                   adopted: list[int] | None = None) -> SessionStore:
+        """A store over ``quota_bytes`` (a whole number of segments) lent from the node pool; with
+        ``adopted``, over those segments a predecessor's session held (its regions restored by the caller)."""
         seg = self._pool.segment_bytes
-        segments = self._pool.take(quota_bytes // seg, owner_uid)
+        segments = self._pool.take(quota_bytes // seg, owner_uid) if adopted is None else \
+            self._pool.take_adopted(adopted)
         try:
             host = _swap.HostPool(_swap.HostPoolConfig(capacity_bytes=quota_bytes, segment_bytes=seg),
                                   segments=segments)
-            store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._store_engine)
+            store = _swap.TierStore(self._store_config, pool=host, space=self._space, engine=self._store_engine,
+                                    on_change=on_change)
         except BaseException:
             self._pool.give(segments, owner_uid)
             raise
@@ -175,8 +195,21 @@ class SwapBackend:
     def segment_bytes(self) -> int:
         return self._pool.segment_bytes
 
+    def pool_record(self) -> dict[str, Any]:
+        """The pool as the journal keeps it: its shape and each segment's memfd inode."""
+        return {"segment_bytes": self._pool.segment_bytes, "count": self._pool.count,
+                "inodes": {str(i): os.fstat(s.fd).st_ino for i, s in sorted(self._pool.segments.items())},
+                "given": {str(uid): indices for uid, indices in self._pool.given().items()}}
+
+    def pool_segments(self) -> dict[int, Any]:
+        return dict(self._pool.segments)
+
+    def swap_record(self) -> dict[str, Any]:
+        return {"dirs": list(self._claim.dirs), "files": [f.record() for f in self._space.files]}
+
     def _register(self, seg: Any) -> None:
         """A new pool segment: pin it for io_uring once (when the engine's table is full, it goes unregistered)."""
+        self.on_segment(seg, True)
         slot = None
         if not self._table_full:
             slot = self._engine.register_buffer(seg.address, seg.nbytes)  # None where the engine has no table
@@ -184,6 +217,7 @@ class SwapBackend:
         self._slots[seg.index] = slot
 
     def _unregister(self, seg: Any) -> None:
+        self.on_segment(seg, False)
         slot = self._slots.pop(seg.index, None)
         if slot is not None:
             self._engine.unregister_buffer(slot)
@@ -196,19 +230,21 @@ class SwapBackend:
         return {"files": [f.path for f in self._space.files], "used_bytes": self._space.used_bytes,
                 "capacity_bytes": self._space.capacity_bytes}
 
-    def close(self) -> None:
-        """Close the pool, the swap space (its files unlinked), the engine and the claim. Idempotent."""
+    def close(self, keep: bool = False) -> None:
+        """Close the pool, the swap space (its files unlinked), the engine and the claim. Idempotent.
+        ``keep``: leave the segments' pages and the swap files for a successor (the fd store holds the
+        segments); only the engine is closed."""
         try:
-            if self._pool is not None:
+            if self._pool is not None and not keep:
                 self._pool.close()  # unregisters each segment before it goes
             if self._space is not None:
-                self._space.close()
+                self._space.close(keep_files=keep)
         finally:
             try:
                 if self._engine is not None:
                     self._engine.close()
             finally:
-                self._claim.close()
+                self._claim.close(keep=keep)
 
 
 def _plain(value: Any) -> Any:

@@ -33,6 +33,18 @@ uid and no one else can read it. ``TierClientConfig.reattach_token`` overrides t
 A connection the daemon refuses or closes at one of its connection caps is retried
 until ``timeout_seconds`` have passed; a connection the daemon closed after its idle
 timeout is reopened and the session reattached at the next call.
+
+[Note: reconnect after a daemon restart] A connection lost under a call (the daemon stopped for an
+upgrade, or killed) is retried for ``reconnect_seconds``: the session is reattached with its token,
+and it must be the same one, over the same memory (each segment's memfd inode is checked), as a
+daemon that took over its predecessor's state gives back (``daemon.restart``). Then every transfer not
+yet waited for is issued again, under a new handle number the old handle now stands for, and the
+call that failed is made again. Each is safe to repeat: a prefetch or evict of a region already
+where it was going moves nothing, an ALLOCATE or FREE that the lost daemon had done is found done
+(the region is, or is gone), the rest only read or set state. The host views taken before stay valid:
+the memory is the same. A daemon that comes back without the session (it kept no state, or could not
+prove it whole), or none within ``reconnect_seconds``, is a ``DaemonNotRunningError`` naming it, as
+before: the job goes back to its checkpoint.
 """
 from __future__ import annotations
 
@@ -40,7 +52,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from csrc.errors import ConfigError, DaemonNotRunningError, OffloadError, SessionError
 from daemon.backend import region_from_wire, stats_from_wire
@@ -74,11 +86,15 @@ class TierClientConfig:
     """The token to reattach with; empty: the one kept in token_dir (see [Note: reattach token])."""
     token_dir: str | None = None
     """Where reattach tokens are kept; None: the runtime directory of this uid (see the note)."""
+    reconnect_seconds: float = 300.0
+    """How long a lost connection is retried ([Note: reconnect after a daemon restart]); 0: not at all.
+    Long enough for a restart that faults a fresh pool."""
 
     def __post_init__(self) -> None:
-        if self.rank < 0 or self.quota_bytes < 0 or self.timeout_seconds <= 0 or not 0 <= self.spin_seconds < 0.01:
+        if self.rank < 0 or self.quota_bytes < 0 or self.timeout_seconds <= 0 or not 0 <= self.spin_seconds < 0.01 \
+                or not 0 <= self.reconnect_seconds < 1e6:
             raise ConfigError("TierClientConfig: rank and quota_bytes must be >= 0, timeout_seconds > 0, "
-                              "spin_seconds in [0, 0.01)")
+                              "spin_seconds in [0, 0.01), reconnect_seconds in [0, 1e6)")
 
 
 class ClientHandle:
@@ -143,9 +159,16 @@ class TierClient:
         self.segment_bytes: int = max((s["nbytes"] for s in reply["segments"]), default=0)
         """The largest of the session's segments: no region can be longer, nor span two."""
         self._idle_check_seconds = float(reply.get("idle_timeout_seconds") or 0) / 2
+        self._session_kept = True
         self._regions: dict[str, Any] = {}  # placements of host copies, asked for when first viewed
         self._stale: set[str] = set()
         self._closed = False
+        self._pending: dict[int, ClientHandle] = {}
+        """Handles not yet waited for, by number: issued again after a reconnect (each takes its new number)."""
+        self.reconnects = 0
+        """Daemon restarts (lost connections) this client went through, reattached."""
+        self.reconnect_seconds_total = 0.0
+        """Time spent without the daemon, from the lost call to the reattach."""
 
     def _hello(self, token: str) -> tuple[DaemonConnection, dict[str, Any], list[int]]:
         """Connect and HELLO, retrying while the daemon refuses the connection at a cap."""
@@ -172,11 +195,99 @@ class TierClient:
         self._token_file.write(reply.get("token", ""))
         return conn, reply, fds
 
-    def _request(self, kind: Kind, body: dict[str, Any] | None = None, wait_seconds: float | None = 0.0) -> dict[str, Any]:
+    def _request(self, kind: Kind, body: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+                 wait_seconds: float | None = 0.0) -> dict[str, Any]:
+        """One request and its reply; ``body`` may be a function that makes it (made again for a call
+        made again after a reconnect: a wait names its handle's new number)."""
         if self._idle_check_seconds and time.monotonic() - self._conn.last_used > self._idle_check_seconds \
                 and self._conn.peer_closed():
             self._reattach_after_idle()
-        return self._conn.request(kind, body, wait_seconds)[0]
+        try:
+            return self._conn.request(kind, body() if callable(body) else body, wait_seconds)[0]
+        except DaemonNotRunningError:
+            if not self.config.reconnect_seconds or self._conn.refused:
+                raise
+            lost_at = time.monotonic()
+        while True:  # [Note: reconnect after a daemon restart]
+            self._reconnect(lost_at)
+            try:
+                return self._again(kind, body, wait_seconds)
+            except DaemonNotRunningError:  # lost again at once: the daemon went down again
+                lost_at = time.monotonic()
+
+    def _again(self, kind: Kind, body: Any, wait_seconds: float | None) -> dict[str, Any]:
+        """The call that failed, made again after a reconnect, as safe to repeat (see the note)."""
+        conn = self._conn
+        body = body() if callable(body) else body
+        if kind is Kind.ALLOCATE or kind is Kind.FREE:
+            try:
+                found = conn.request(Kind.REGION, {"name": body["name"], "view": False})[0]
+            except ConfigError:  # no such region
+                found = None
+            if kind is Kind.FREE and found is None:
+                return {}
+            if kind is Kind.ALLOCATE and found is not None and found["region"]["nbytes"] == body["nbytes"]:
+                return found
+        elif kind is Kind.BYE and not self._session_kept:
+            return {}
+        return conn.request(kind, body, wait_seconds)[0]
+
+    def _reconnect(self, lost_at: float) -> None:
+        """Reattach the session after a lost connection, within reconnect_seconds; the transfers not
+        waited for issued again. ``DaemonNotRunningError`` when the daemon does not come back with it."""
+        config = self.config
+        self._conn.close()
+        deadline = lost_at + config.reconnect_seconds
+        logger.warning("lost the daemon on %s; reconnecting for up to %.0f s", config.socket_path,
+                       config.reconnect_seconds)
+        body = {"version": PROTOCOL_VERSION, "job_id": config.job_id, "rank": config.rank,
+                "quota_bytes": config.quota_bytes, "token": self._token_file.read() or config.reattach_token}
+        pause = 0.02
+        while True:
+            conn = DaemonConnection(config.socket_path, config.timeout_seconds, config.spin_seconds) \
+                if os.path.exists(config.socket_path) else None
+            try:
+                if conn is None:
+                    raise DaemonNotRunningError(f"no daemon socket at {config.socket_path}")
+                reply, fds = conn.request(Kind.HELLO, body)
+                break
+            except (OffloadError, OSError) as exc:
+                if conn is not None:
+                    conn.close()
+                if isinstance(exc, SessionError) or time.monotonic() + pause > deadline:
+                    raise DaemonNotRunningError(
+                        f"the daemon on {config.socket_path} went away and did not come back with session "
+                        f"{self.session_id} of job {config.job_id!r} rank {config.rank} within "
+                        f"{config.reconnect_seconds:.0f} s ({exc}): go back to the last checkpoint") from None
+                time.sleep(pause)
+                pause = min(0.5, pause * 2)
+        inodes = [os.fstat(fd).st_ino for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        same = reply["reattached"] and reply["session_id"] == self.session_id and inodes == self._segments.inodes
+        if not same:
+            self._session_kept = False
+            try:
+                conn.request(Kind.BYE, wait_seconds=None)  # the fresh session it opened is not wanted
+            finally:
+                conn.close()
+            raise DaemonNotRunningError(
+                f"the daemon on {config.socket_path} came back without session {self.session_id} of job "
+                f"{config.job_id!r} rank {config.rank} (it kept no state, or could not take this session over: "
+                "see its log): its host memory and regions are gone; go back to the last checkpoint")
+        self._token_file.write(reply.get("token", ""))
+        self._conn = conn
+        pending, self._pending = sorted(self._pending.values(), key=lambda h: h.number), {}
+        for handle in pending:  # in the order they were issued
+            kind = Kind.PREFETCH if handle.kind == "prefetch" else Kind.EVICT
+            handle.number = conn.request(kind, {"names": handle.names})[0]["handle"]
+            self._pending[handle.number] = handle
+        self._stale.update(self._regions)  # host placements are asked again
+        seconds = time.monotonic() - lost_at
+        self.reconnects += 1
+        self.reconnect_seconds_total += seconds
+        logger.warning("reattached session %d after %.2f s without the daemon; %d transfer(s) issued again",
+                       self.session_id, seconds, len(self._pending))
 
     def _reattach_after_idle(self) -> None:
         """The daemon closed the idle connection: reattach to the session (same segments, still mapped)."""
@@ -219,25 +330,35 @@ class TierClient:
     def mark_dirty(self, name: str) -> None:
         self._request(Kind.MARK_DIRTY, {"name": name})
 
-    def prefetch(self, names: Iterable[str]) -> ClientHandle:
+    def _issue(self, kind: str, names: Iterable[str]) -> ClientHandle:
         names = list(names)
         self._stale.update(names)
-        return ClientHandle("prefetch", self._request(Kind.PREFETCH, {"names": names})["handle"], names)
+        number = self._request(Kind.PREFETCH if kind == "prefetch" else Kind.EVICT, {"names": names})["handle"]
+        handle = self._pending[number] = ClientHandle(kind, number, names)
+        return handle
+
+    def prefetch(self, names: Iterable[str]) -> ClientHandle:
+        return self._issue("prefetch", names)
 
     def wait_for_prefetch(self, handle: ClientHandle, timeout_seconds: float | None = None) -> None:
         self._wait(Kind.WAIT_PREFETCH, handle, timeout_seconds)
 
     def evict(self, names: Iterable[str]) -> ClientHandle:
-        names = list(names)
-        self._stale.update(names)
-        return ClientHandle("evict", self._request(Kind.EVICT, {"names": names})["handle"], names)
+        return self._issue("evict", names)
 
     def wait_for_evict(self, handle: ClientHandle, timeout_seconds: float | None = None) -> None:
         self._wait(Kind.WAIT_EVICT, handle, timeout_seconds)
 
     def _wait(self, kind: Kind, handle: ClientHandle | int, timeout_seconds: float | None) -> None:
-        self._request(kind, {"handle": _number(handle), "timeout_seconds": timeout_seconds},
-                      wait_seconds=timeout_seconds)
+        """A wait; a ``ClientHandle`` keeps naming its transfer across a reconnect (a bare number does not)."""
+        try:
+            self._request(kind, lambda: {"handle": _number(handle), "timeout_seconds": timeout_seconds},
+                          wait_seconds=timeout_seconds)
+        except (OffloadError, OSError) as exc:
+            if not isinstance(exc, TimeoutError):  # a failed transfer's wait is its end, as on a local store
+                self._pending.pop(_number(handle), None)
+            raise
+        self._pending.pop(_number(handle), None)
         if isinstance(handle, ClientHandle):
             handle._waited = True
 

@@ -131,12 +131,25 @@ class ServerConfig:
     """Requests of one connection handled before every other connection gets its turn (request fairness)."""
     fd_limit: int = 65536
     """The daemon raises its open-file limit (RLIMIT_NOFILE) to this at start (at most the hard limit)."""
+    keep_state: str = "auto"
+    """Whether a restarted daemon takes over its predecessor's sessions ([Note: adopted state] in
+    ``daemon.journal``): "fd_store" keeps the journal and the segments in systemd's fd store (the unit
+    needs ``FileDescriptorStoreMax=``); "state_dir" keeps the journal in ``state_dir`` (the segments die with
+    the daemon, so only sessions a successor can prove whole come back: none with host memory); "off":
+    a stop ends every session, as before; "auto": "fd_store" under systemd (``NOTIFY_SOCKET``), else
+    "state_dir" where one is set, else "off"."""
+    state_dir: str = ""
+    """Where the journal is kept without an fd store; "" takes ``$STATE_DIRECTORY`` (systemd's
+    ``StateDirectory=``), else none."""
 
     def __post_init__(self) -> None:
         _positive(self, "max_message_bytes", "drain_timeout_seconds", "close_timeout_seconds",
                   "hello_timeout_seconds")
         _seconds(self, "idle_timeout_seconds")
         _integers(self, 4096, 1 << 30, "max_message_bytes")
+        if self.keep_state not in ("auto", "fd_store", "state_dir", "off"):
+            raise ConfigError(f"[server] keep_state must be one of auto, fd_store, state_dir, off; "
+                              f"got {self.keep_state!r}")
         _integers(self, 1, 1 << 20, "max_connections", "max_connections_per_uid", "max_outstanding_requests",
                   "frames_per_turn")
         _integers(self, 64, 1 << 24, "fd_limit")

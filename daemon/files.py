@@ -90,18 +90,24 @@ class SwapClaim:
         self._locks: list[tuple[int, str]] = []
 
     @classmethod
-    async def open(cls, paths: list[str]) -> "SwapClaim":
-        """Sweep each path and claim a slot in it; on failure nothing claimed is kept."""
+    async def open(cls, paths: list[str], adopt: list[str] | None = None) -> "SwapClaim":
+        """Sweep each path and claim a slot in it; on failure nothing claimed is kept. ``adopt``: the
+        directories a predecessor held, one per path, taken over with what is in them (a live daemon
+        holding one is an error)."""
         claim = cls()
+        adopt = adopt or []
+        if adopt and len(adopt) != len(paths):
+            raise SwapIOError(errno.EINVAL, f"the previous daemon had {len(adopt)} swap path(s); [swap] paths "
+                                            f"names {len(paths)}")
         try:
-            for path in paths:
-                await claim._claim(os.path.abspath(path))
+            for i, path in enumerate(paths):
+                await claim._claim(os.path.abspath(path), adopt[i] if adopt else None)
         except BaseException:
             claim.close()
             raise
         return claim
 
-    async def _claim(self, path: str) -> None:
+    async def _claim(self, path: str, adopt: str | None = None) -> None:
         if not await aiofiles.ospath.isdir(path):
             raise SwapIOError(errno.ENOENT, f"swap path {path} does not exist or is not a directory: make it first "
                                             f"(mkdir -p {path}, writable by the daemon's user) or name an existing "
@@ -112,6 +118,9 @@ class SwapClaim:
             raise SwapIOError(exc.errno, f"swap path {path} is not writable: {exc.strerror}") from exc
         try:
             await _flock(guard, fcntl.LOCK_EX)
+            if adopt is not None:
+                await self._adopt(path, adopt)
+                return
             taken = await self._sweep(path)
             slot = next(n for n in range(len(taken) + 1) if n not in taken)
             lock_path = os.path.join(path, f"ofl-daemon-{slot}.lock")
@@ -124,6 +133,23 @@ class SwapClaim:
         finally:
             os.close(guard)  # releases the guard
         logger.info("swap path %s: this daemon's files go in %s", path, directory)
+
+    async def _adopt(self, path: str, directory: str) -> None:
+        """Take over ``directory`` (a predecessor's slot in ``path``), under the guard: its lock, then it."""
+        if os.path.dirname(directory) != path or not _LOCK.match(os.path.basename(directory) + ".lock"):
+            raise SwapIOError(errno.EINVAL, f"{directory} is not a daemon's directory in swap path {path}")
+        if not await aiofiles.ospath.isdir(directory):
+            raise SwapIOError(errno.ENOENT, f"the previous daemon's swap directory {directory} is gone")
+        lock_path = directory + ".lock"
+        fd = await _open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SwapIOError(errno.EBUSY, f"{directory} is held by a live daemon: not taken over") from None
+        self._locks.append((fd, lock_path))
+        self.dirs.append(directory)
+        logger.info("swap path %s: took over %s from the previous daemon", path, directory)
 
     @staticmethod
     async def _sweep(path: str) -> set[int]:
@@ -152,14 +178,17 @@ class SwapClaim:
                 await _remove_tree(os.path.join(path, name))
         return taken
 
-    def close(self) -> None:
-        """Remove this daemon's directories and lock files (the swap space must be closed first). Idempotent."""
+    def close(self, keep: bool = False) -> None:
+        """Remove this daemon's directories and lock files (the swap space must be closed first). Idempotent.
+        ``keep``: only let go of the locks, leaving both for a successor to take over."""
         for directory in self.dirs:
-            shutil.rmtree(directory, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(directory, ignore_errors=True)
         self.dirs = []
         for fd, lock_path in self._locks:
             try:
-                os.unlink(lock_path)
+                if not keep:
+                    os.unlink(lock_path)
             except FileNotFoundError:
                 pass
             os.close(fd)

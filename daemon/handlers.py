@@ -179,7 +179,8 @@ class Handlers:
         except Exception as exc:  # a store closing under us: report it, do not fail the status
             stats, tiers = {"error": str(exc)}, {}
         return {"job_id": x.job_id, "rank": x.rank, "uid": x.owner_uid, "state": x.state.value,
-                "quota_bytes": x.quota_bytes, "stats": stats, "regions_by_tier": tiers}
+                "quota_bytes": x.quota_bytes, "stats": stats, "regions_by_tier": tiers,
+                "daemon_restarts": x.restarts, "reattached_after_restart": x.reattached_after_restart}
 
     def _status_snapshot(self, sessions: list[Session]) -> dict[str, Any]:
         rows = [self._session_row(x) for x in sessions]

@@ -17,6 +17,9 @@ offload_in_flight_bytes                           gauge      (none): bytes of th
 offload_pinned_pool_bytes                         gauge      state (used|free): quotas reserved, and the rest
 offload_swap_space_bytes                          gauge      state (used|capacity): extents in the swap files
 offload_sessions                                  gauge      state (attached|detached)
+offload_sessions_adopted_total                    counter    (none): taken over from a previous daemon at start
+offload_sessions_reattached_after_restart_total   counter    (none): of those, reattached by their trainer
+offload_sessions_refused_total                    counter    (none): a previous daemon's sessions not taken over
 offload_errors_total                              counter    kind (error class name); a poll's "not yet"
                                                              is no error (see daemon.handlers)
 offload_optimizer_step_seconds                    histogram  (none): reported by clients
@@ -163,6 +166,13 @@ class DaemonMetrics:
         self.queue_depth = Gauge("offload_queue_depth", "Store batches queued, not yet dispatched.", ["class"], registry=r)
         self.pool_bytes = Gauge("offload_pinned_pool_bytes", "Host memory of the node pool.", ["state"], registry=r)
         self.sessions = Gauge("offload_sessions", "Sessions by state.", ["state"], registry=r)
+        self.sessions_adopted = Counter("offload_sessions_adopted", "Sessions taken over from the previous "
+                                        "daemon at start (daemon.restart).", registry=r)
+        self.sessions_reattached_after_restart = Counter(
+            "offload_sessions_reattached_after_restart", "Sessions taken over from the previous daemon that "
+            "their trainer reattached.", registry=r)
+        self.sessions_refused = Counter("offload_sessions_refused", "Sessions of the previous daemon not taken "
+                                        "over (see the daemon's log for why).", registry=r)
         self.errors = Counter("offload_errors", "Error replies and dropped connections, by kind.", ["kind"], registry=r)
         self.optimizer_step_seconds = Histogram(
             "offload_optimizer_step_seconds", "Optimizer step times reported by clients.",

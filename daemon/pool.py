@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from csrc.errors import ConfigError
@@ -32,7 +33,7 @@ from daemon.config import PoolConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodePool", "available_memory_bytes"]
+__all__ = ["Adoption", "NodePool", "available_memory_bytes"]
 
 
 def _read_int(path: str) -> int | None:
@@ -67,13 +68,24 @@ def available_memory_bytes() -> tuple[int, str]:
     return avail, source
 
 
+@dataclass
+class Adoption:
+    """What a predecessor's pool left: its segments' memfds by index (from systemd's fd store), the ones
+    its sessions held (adopted with them), and the free ones each uid gave back (index lists by uid)."""
+
+    fds: dict[int, int] = field(default_factory=dict)
+    lent: set[int] = field(default_factory=set)
+    given: dict[int, list[int]] = field(default_factory=dict)
+
+
 class NodePool:
     """Segments made once at start and lent to sessions; see the module docstring."""
 
     def __init__(self, config: PoolConfig, name: str = "ofl-pool", on_made: Callable[[Any], None] | None = None,
-                 on_dropped: Callable[[Any], None] | None = None) -> None:
+                 on_dropped: Callable[[Any], None] | None = None, adopt: "Adoption | None" = None) -> None:
         """``on_made(segment)`` runs for every segment made (at start, and when one is replaced),
-        ``on_dropped(segment)`` before one is closed: the backend registers them with its engine."""
+        ``on_dropped(segment)`` before one is closed: the backend registers them with its engine.
+        ``adopt``: the segments a predecessor left (see ``Adoption``); the others are made anew."""
         from swap.buffers import HostSegment, resolve_huge_pages
 
         self._on_made = on_made or (lambda seg: None)
@@ -88,7 +100,8 @@ class NodePool:
         self.huge, why = resolve_huge_pages(config.huge_pages, self.capacity_bytes, self.segment_bytes)
         if self.huge != "hugetlb":
             avail, source = available_memory_bytes()
-            if self.capacity_bytes > avail:
+            to_make = self.capacity_bytes - len(adopt.fds if adopt else ()) * self.segment_bytes  # adopted: resident
+            if to_make > avail:
                 raise ConfigError(f"[pool] capacity_bytes = {self.capacity_bytes} is more than the memory "
                                   f"available at start: {avail} bytes ({source})")
         self._name = name
@@ -96,11 +109,29 @@ class NodePool:
         self._fresh: list = []  # never lent
         self._by_uid: dict[int, list] = {}  # given back by a uid, zeroed
         self._closed = False
+        self.segments: dict[int, Any] = {}
+        """Every segment by index, lent or free (the fd store keeps each one)."""
+        self.lent: dict[int, Any] = {}
+        """Adopted segments lent to the predecessor's sessions, until ``take_adopted`` or ``give``."""
+        adopt = adopt or Adoption()
         logger.info("pool: making %d segment(s) of %d bytes (%.1f GiB), huge pages %s (%s)", self.count,
                     self.segment_bytes, self.capacity_bytes / 2**30, self.huge, why)
         t0 = last = time.monotonic()
+        given = {i: uid for uid, indices in adopt.given.items() for i in indices}
         try:
             for index in range(self.count):
+                if index in adopt.fds:
+                    seg = self._segment_cls.adopt(index, adopt.fds[index], self.segment_bytes)
+                    self.segments[index] = seg
+                    self._on_made(seg)
+                    if index in adopt.lent:
+                        self.lent[index] = seg
+                    elif index in given:  # given back, perhaps not yet zeroed when the predecessor died
+                        seg.zero()
+                        self._by_uid.setdefault(given[index], []).append(seg)
+                    else:
+                        self._fresh.append(seg)
+                    continue
                 self._fresh.append(self._make(index))
                 now = time.monotonic()
                 if now - last >= 2.0:
@@ -120,10 +151,13 @@ class NodePool:
         except OSError as exc:
             raise ConfigError(f"[pool] cannot make segment {index} of {self.segment_bytes} bytes "
                               f"(huge pages {self.huge}): {exc.strerror or exc}") from exc
+        self.segments[index] = seg
         self._on_made(seg)
         return seg
 
     def _drop(self, seg: Any) -> None:
+        if self.segments.get(seg.index) is seg:
+            del self.segments[seg.index]
         self._on_dropped(seg)
         seg.release_pages()
         seg.close()
@@ -167,6 +201,19 @@ class NodePool:
             logger.info("pool: %d segment(s) last lent to other uids replaced for uid %d", len(made), uid)
         return got + made
 
+    def given(self) -> dict[int, list[int]]:
+        """The free segments each uid gave back, by index (for the journal's base)."""
+        with self._lock:
+            return {uid: [seg.index for seg in segs] for uid, segs in self._by_uid.items() if segs}
+
+    def take_adopted(self, indices: list[int]) -> list:
+        """The adopted segments of one of the predecessor's sessions (``KeyError`` for one not adopted)."""
+        with self._lock:
+            missing = [i for i in indices if i not in self.lent]
+            if missing:
+                raise KeyError(f"segment(s) {missing} were not handed over")
+            return [self.lent.pop(i) for i in indices]
+
     def give(self, segments: list, uid: int) -> None:
         """Segments a session of ``uid`` is done with: zeroed and kept for ``uid``."""
         for seg in segments:
@@ -183,7 +230,7 @@ class NodePool:
         """Unmap and close every free segment (lent ones are closed when given back after this)."""
         with self._lock:
             self._closed = True
-            segments = self._fresh + [s for segs in self._by_uid.values() for s in segs]
-            self._fresh, self._by_uid = [], {}
+            segments = self._fresh + [s for segs in self._by_uid.values() for s in segs] + list(self.lent.values())
+            self._fresh, self._by_uid, self.lent = [], {}, {}
         for seg in segments:
             self._drop(seg)

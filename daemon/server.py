@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
 import grp
 import logging
 import os
@@ -43,6 +44,7 @@ from daemon.handlers import Handlers
 from daemon.metrics import DaemonMetrics
 from daemon.notify import notify
 from daemon.protocol import Kind
+from daemon.restart import StateKeeper
 from daemon.scheduler import FairScheduler
 from daemon.sessions import Session, SessionTable
 
@@ -142,6 +144,8 @@ class DaemonServer:
         self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket this daemon bound
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._made_dir: str | None = None
+        self.keeper = StateKeeper(config)
+        """What this daemon keeps for a successor, and took over from its predecessor (``daemon.restart``)."""
 
     @property
     def socket_path(self) -> str:
@@ -165,6 +169,9 @@ class DaemonServer:
         m.set_sessions(*table.counts())
         if event == "attach":
             m.jobs.attached(session.owner_uid, session.job_id, session.session_id)
+            if session.adopted and not session.reattached_after_restart:
+                session.reattached_after_restart = True
+                m.sessions_reattached_after_restart.inc()
         elif event == "reclaim":
             m.jobs.reclaimed(session.owner_uid, session.job_id, session.session_id, session.detached_at)
 
@@ -218,11 +225,31 @@ class DaemonServer:
             host = config.metrics.host_port[0]
             self.metrics_port = self.metrics.serve(host, config.metrics.host_port[1], config.metrics)
             self.metrics_address = f"{host}:{self.metrics_port}"
+        keeper = self.keeper if self.backend is None else None  # a backend handed in (tests) keeps nothing
         if self.backend is None:
-            logger.info("faulting the pool (%d bytes) and preparing the swap space", config.pool.capacity_bytes)
-            self.backend = await open_swap_backend(config.pool, config.swap, config.io, config.store, self._run_admin)
+            adoption = keeper.load() if keeper.active else None
+            logger.info("faulting the pool (%d bytes) and preparing the swap space%s", config.pool.capacity_bytes,
+                        ", taking over the previous daemon's" if adoption else "")
+            try:
+                self.backend = await open_swap_backend(config.pool, config.swap, config.io, config.store,
+                                                       self._run_admin, adoption)
+            except Exception as exc:
+                if adoption is None:
+                    raise
+                keeper.refuse_all(f"its swap files or segments could not be taken over ({exc})")
+                self.backend = await open_swap_backend(config.pool, config.swap, config.io, config.store,
+                                                       self._run_admin)
         self.sessions = SessionTable(config.sessions, config.pool, self.backend, self.scheduler,
-                                     self._session_changed, self._run_admin)
+                                     self._session_changed, self._run_admin, keeper if keeper and keeper.active else None)
+        if keeper is not None and keeper.active:
+            previous = keeper.previous
+            if previous is not None:
+                await self.sessions.restore(previous["sessions"])
+                self.sessions.next_session_id = max(self.sessions.next_session_id, previous["next_session_id"])
+                self.sessions.restart_ids()
+                self.metrics.sessions_adopted.inc(len(previous["sessions"]))
+            self.metrics.sessions_refused.inc(len(keeper.refused))
+            await self._run_admin(keeper.start, self.backend, self.sessions.rows(), self.sessions.next_session_id)
         self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics, config.sessions,
                                  self.io_executor, self.status_executor)
         self.handlers.metrics_address = self.metrics_address
@@ -286,7 +313,12 @@ class DaemonServer:
             logger.info("socket %s now belongs to another daemon; left in place", self.socket_path)
 
     async def stop(self) -> bool:
-        """Stop accepting, drain I/O, close every session and the backend; True if all of it finished in time."""
+        """Stop accepting, drain I/O, close every session and the backend; True if all of it finished in time.
+
+        When this daemon keeps state for a successor (``daemon.restart``), the sessions are not closed:
+        once the I/O has drained (each transfer's outcome journaled), the journal's last generation is
+        written, and the segments (in the fd store), the swap files and their directories are left as
+        they are for the next start to take over."""
         self.metrics.stopping = True  # /healthz says so from now on
         if self._server is not None:
             self._server.close()
@@ -297,13 +329,21 @@ class DaemonServer:
                 conn.transport.close()
             for task in list(conn.tasks):
                 task.cancel()
+        if self.keeper.journal is not None and drained:
+            await self._run_admin(self.keeper.stop)
+            self.sessions = None  # kept: not closed
+            closed = await self._close_parts(self.config.server.close_timeout_seconds, keep=True)
+            logger.info("stopped, keeping %s for the next start", "the journal and segments in the fd store"
+                        if self.keeper.mode == "fd_store" else f"the journal in {self.keeper.state_dir}")
+            return closed
         closed = await self._close_parts(self.config.server.close_timeout_seconds)
         logger.info("stopped (%s%s)", "drained" if drained else "drain timed out",
                     "" if closed else "; closing timed out")
         return closed
 
-    async def _close_parts(self, budget_seconds: float) -> bool:
-        """Close sessions, backend, metrics, executors and the socket, within ``budget_seconds``."""
+    async def _close_parts(self, budget_seconds: float, keep: bool = False) -> bool:
+        """Close sessions, backend, metrics, executors and the socket, within ``budget_seconds`` (``keep``:
+        the backend's segments and swap files stay for a successor)."""
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -320,7 +360,8 @@ class DaemonServer:
                 closed = False
         if self.backend is not None:
             try:
-                await asyncio.wait_for(self._run_admin(self.backend.close), max(0.1, deadline - time.monotonic()))
+                close = functools.partial(self.backend.close, keep=True) if keep else self.backend.close
+                await asyncio.wait_for(self._run_admin(close), max(0.1, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 logger.warning("closing the swap space and engine took longer than %.1f s", budget_seconds)
                 closed = False

@@ -90,6 +90,15 @@ class Session:
     _done: collections.deque[int] = field(default_factory=collections.deque)
     reclaim_timer: asyncio.TimerHandle | None = None
     detached_at: float | None = None
+    previous_token: str = ""
+    """The token before the last reattach's: a daemon killed before its HELLO reply left leaves the
+    client with this one ([Note: adopted state] in ``daemon.journal``)."""
+    adopted: bool = False
+    """Taken over from the previous daemon at this daemon's start."""
+    restarts: int = 0
+    """Daemon restarts this session went through (0: opened by this daemon)."""
+    reattached_after_restart: bool = False
+    """An adopted session its trainer has reattached since."""
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -141,6 +150,7 @@ class SessionTable:
         scheduler: FairScheduler,
         on_change: Callable[[str, Session], None] | None = None,
         run_blocking: Callable[..., Awaitable[Any]] | None = None,
+        keeper: Any = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -150,6 +160,9 @@ class SessionTable:
         self._opening: set[tuple[int, str, int]] = set()
         self._per_uid: collections.Counter[int] = collections.Counter()  # sessions, open or being opened
         self._ids = itertools.count(1)
+        self.next_session_id = 1
+        self._keeper = keeper
+        """``daemon.restart.StateKeeper``, told of every session opened, reattached or closed (None: none)."""
         self._on_change = on_change or (lambda event, session: None)
         self._run = run_blocking or (lambda fn, *args: asyncio.to_thread(fn, *args))
         self.used_bytes = 0
@@ -197,7 +210,8 @@ class SessionTable:
     def _reattach(self, existing: Session, uid: int, token: str) -> tuple[Session, bool]:
         if existing.state is SessionState.ATTACHED:
             raise SessionError(f"job {existing.job_id!r} rank {existing.rank} already has a session attached")
-        if not token or not secrets.compare_digest(token, existing.token):
+        if not token or not (secrets.compare_digest(token, existing.token) or
+                             (existing.previous_token and secrets.compare_digest(token, existing.previous_token))):
             raise SessionError(f"job {existing.job_id!r} rank {existing.rank} is detached and kept for its "
                                f"owner: a reattach needs the token of its last HELLO reply")
         if existing.reclaim_timer is not None:
@@ -205,14 +219,16 @@ class SessionTable:
             existing.reclaim_timer = None
         existing.state = SessionState.ATTACHED
         existing.detached_at = None
-        existing.token = secrets.token_urlsafe(24)
+        existing.previous_token, existing.token = existing.token, secrets.token_urlsafe(24)
+        if self._keeper is not None:
+            self._keeper.token(existing)  # before the reply that carries it
         self.attached += 1
         # The old connection's handles die with it; their transfers finish in the daemon.
         existing.handles.clear()
         existing.unwaited.clear()
         existing.unwaited_handles = 0
-        logger.info("job %s rank %d reattached by uid %d (session %d)", existing.job_id, existing.rank, uid,
-                    existing.session_id)
+        logger.info("job %s rank %d reattached by uid %d (session %d%s)", existing.job_id, existing.rank, uid,
+                    existing.session_id, ", after a daemon restart" if existing.adopted else "")
         self._on_change("attach", existing)
         return existing, True
 
@@ -252,6 +268,8 @@ class SessionTable:
             self._opening.discard(key)
         self._sessions[key] = session
         self.attached += 1
+        if self._keeper is not None:
+            self._keeper.opened(session)
         logger.info("job %s rank %d uid %d: session %d, %d bytes in %d segments",
                     job_id, rank, uid, session.session_id, quota, len(session.segments))
         self._on_change("attach", session)
@@ -267,13 +285,76 @@ class SessionTable:
                 + (f" after waiting {self._config.quota_wait_seconds} s" if self._config.quota_policy == "wait" else "")
             )
         self.used_bytes += quota  # reserved before the await: two hellos cannot both take the rest
+        session_id = self._new_id()
+        hook = self._keeper.region_hook(session_id) if self._keeper is not None else None
         try:
-            opened = await self._run(self._backend.open_store, quota, uid)
+            opened = await self._run(self._backend.open_store, quota, uid, *([hook] if hook else []))
         except BaseException:
             self.used_bytes -= quota
             raise
-        return Session(next(self._ids), job_id, rank, uid, secrets.token_urlsafe(24), quota, opened.store,
+        return Session(session_id, job_id, rank, uid, secrets.token_urlsafe(24), quota, opened.store,
                        list(opened.segments), opened.close)
+
+    def _new_id(self) -> int:
+        session_id = next(self._ids)
+        self.next_session_id = session_id + 1
+        return session_id
+
+    async def restore(self, rows: dict[str, dict[str, Any]]) -> None:
+        """Take over the previous daemon's sessions (``daemon.journal``'s state rows, by id): each store
+        rebuilt over its adopted segments and its regions restored, the session detached and kept for the
+        grace period. A session whose regions cannot be restored (a host block or swap extent taken
+        twice, a record no region can be in) is refused with a log line and its segments go back; the
+        rows left are those taken over."""
+        for sid in sorted(rows, key=int):
+            row = rows[sid]
+            key = (row["uid"], row["job_id"], row["rank"])
+            hook = self._keeper.region_hook(int(sid)) if self._keeper is not None else None
+            try:
+                opened = await self._run(self._backend.open_store, row["quota_bytes"], row["uid"], hook,
+                                         row["segments"])
+            except Exception as exc:
+                logger.warning("not taken over from the previous daemon: job %r rank %d (uid %d): %s",
+                               row["job_id"], row["rank"], row["uid"], exc)
+                del rows[sid]
+                continue
+            try:
+                for name, record in row["regions"].items():
+                    opened.store.restore(name, record)
+            except Exception as exc:
+                logger.warning("not taken over from the previous daemon: job %r rank %d (uid %d): region %s",
+                               row["job_id"], row["rank"], row["uid"], exc)
+                await self._run(opened.close)
+                del rows[sid]
+                continue
+            session = Session(int(sid), row["job_id"], row["rank"], row["uid"], row["token"], row["quota_bytes"],
+                              opened.store, list(opened.segments), opened.close, state=SessionState.ATTACHED,
+                              regions=len(row["regions"]), previous_token=row.get("previous_token", ""),
+                              adopted=True, restarts=int(row.get("restarts", 0)) + 1)
+            row["restarts"] = session.restarts
+            self._sessions[key] = session
+            self._per_uid[session.owner_uid] += 1
+            self.used_bytes += session.quota_bytes
+            self.attached += 1
+            self.detach(session)  # kept for the grace period, as after a lost connection
+            logger.info("took over job %s rank %d (uid %d, session %d, %d region(s)) from the previous daemon",
+                        session.job_id, session.rank, session.owner_uid, session.session_id, session.regions)
+        ids = [int(sid) for sid in rows]
+        if ids:
+            self._ids = itertools.count(max(ids) + 1)
+            self.next_session_id = max(ids) + 1
+
+    def restart_ids(self) -> None:
+        """Number new sessions from ``next_session_id`` on (after a takeover: none reuses an old id)."""
+        self._ids = itertools.count(self.next_session_id)
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """Every session as the journal's base keeps it."""
+        return {str(s.session_id): {"uid": s.owner_uid, "job_id": s.job_id, "rank": s.rank, "token": s.token,
+                                    "previous_token": s.previous_token, "quota_bytes": s.quota_bytes,
+                                    "segments": [seg.index for seg in s.segments], "regions": s.store.durable(),
+                                    "restarts": s.restarts}
+                for s in self._sessions.values()}
 
     async def _wait_for_room(self, quota: int) -> None:
         """quota_policy "wait": sleep until reclaims leave room for ``quota`` (or time runs out)."""
@@ -310,6 +391,8 @@ class SessionTable:
         if session.state is SessionState.ATTACHED:
             self.attached -= 1
         session.state = SessionState.CLOSED
+        if self._keeper is not None:
+            self._keeper.closing(session)  # before its segments are zeroed and its extents freed
         self._per_uid[session.owner_uid] -= 1
         if self._per_uid[session.owner_uid] <= 0:
             del self._per_uid[session.owner_uid]

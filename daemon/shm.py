@@ -116,6 +116,8 @@ class SegmentMap:
             raise ProtocolError(f"HELLO reply lists {len(sizes)} segments but carried {len(fds)} fds")
         self._maps: list[mmap.mmap] = []
         self._anchors: list[ctypes.c_char] = []  # buffer exports behind ranges()' addresses
+        self.inodes = [os.fstat(fd).st_ino for fd in fds]
+        """Each segment's memfd inode: a reattach after a daemon restart checks it got the same memory."""
         try:
             for fd, nbytes in zip(fds, sizes):
                 self._maps.append(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))

@@ -415,7 +415,7 @@ def _open_tier(cfg: EngineConfig, plan: OptimizerPlan, ranks: RankInfo):
     def open_() -> Tier:
         return open_tier(plan.tier, daemon_socket=resolve_daemon_socket(cfg.offload), job_id=resolve_job_id(cfg.offload),
                          rank=ranks.local_rank, aio=cfg.aio, checksum=cfg.offload.checksum,
-                         huge_pages=cfg.offload.huge_pages)
+                         huge_pages=cfg.offload.huge_pages, reconnect_seconds=cfg.offload.daemon_reconnect_seconds)
 
     tier = open_()
     if not tier.daemon:

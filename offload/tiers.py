@@ -62,20 +62,20 @@ class Tier:
 
 
 def open_tier(plan: TierPlan, *, daemon_socket: str | None, job_id: str, rank: int, aio: Any, checksum: bool,
-              huge_pages: str = "auto") -> Tier:
+              huge_pages: str = "auto", reconnect_seconds: float = 300.0) -> Tier:
     """Open the daemon session or the embedded store for ``plan`` (``offload.plan``: its host and swap
     capacities, and what a session holds besides its regions); ``huge_pages``: the embedded pool's,
-    ``offload.huge_pages``."""
+    ``offload.huge_pages``; ``reconnect_seconds``: how long the session's client retries a lost daemon."""
     if daemon_socket:
         from daemon import TierClient, TierClientConfig
 
         client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank,
-                                             quota_bytes=plan.session_bytes()))
+                                             quota_bytes=plan.session_bytes(), reconnect_seconds=reconnect_seconds))
         packed = plan.quota_bytes(client.segment_bytes)
         if packed > client.quota_bytes and not client.reattached:
             client.close()  # [Note: quota in segments]: ask again for one that packs
             client = TierClient(TierClientConfig(socket_path=daemon_socket, job_id=job_id, rank=rank,
-                                                 quota_bytes=packed))
+                                                 quota_bytes=packed, reconnect_seconds=reconnect_seconds))
         return Tier(client, f"daemon {daemon_socket} (job {job_id!r}, rank {rank})", daemon=True)
     config = TierStoreConfig(checksum="crc32c" if checksum else "none")
     host_bytes = plan.host_capacity_bytes or align_up(plan.resident_bytes, PAGE)

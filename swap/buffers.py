@@ -211,6 +211,18 @@ class HostSegment:
         self._keep, self.address = aio.buffer_address(self.mmap)
         self.allocator = ExtentAllocator(nbytes, ALIGNMENT_BYTES)
 
+    @classmethod
+    def adopt(cls, index: int, fd: int, nbytes: int) -> "HostSegment":
+        """The segment a predecessor made, from its memfd ``fd`` (this segment owns it from now on):
+        mapped again, its pages already resident, its allocator empty (the adopter takes its blocks)."""
+        self = cls.__new__(cls)
+        self.index, self.nbytes, self.huge, self.fd = index, nbytes, "adopted", fd
+        self.mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._keep, self.address = aio.buffer_address(self.mmap)
+        self.allocator = ExtentAllocator(nbytes, ALIGNMENT_BYTES)
+        return self
+
     def _map_private(self, pretouch: bool) -> None:
         hugetlb = getattr(mmap, "MAP_HUGETLB", 0x40000) if self.huge == "hugetlb" else 0
         self.mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | hugetlb,
@@ -319,6 +331,11 @@ class HostPool:
         raise TierFullError(f"{what} needs {size} bytes of host memory; the host pool has "
                             f"{self.capacity_bytes - used} of {self.capacity_bytes} bytes free, "
                             f"none of it in one run that long")
+
+    def take(self, block: HostBlock) -> None:
+        """Mark ``block`` allocated, as an adopter restoring a predecessor's regions does."""
+        with self._lock:
+            self.segments[block.segment_index].allocator.take(block.offset, block.nbytes)
 
     def free(self, block: HostBlock) -> None:
         with self._lock:

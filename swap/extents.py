@@ -63,6 +63,28 @@ class ExtentAllocator:
             return start
         return None
 
+    def take(self, offset: int, nbytes: int) -> None:
+        """Mark the extent ``[offset, offset + align_up(nbytes))`` allocated, as a successor adopting a
+        predecessor's extents does; ``ConfigError`` if any of it is not free or not aligned."""
+        size = align_up(nbytes, self.alignment_bytes)
+        if nbytes <= 0 or offset < 0 or offset % self.alignment_bytes:
+            raise ConfigError(f"an extent must start aligned and have nbytes > 0, got {offset}, {nbytes}")
+        i = bisect.bisect_right(self._starts, offset) - 1
+        start = self._starts[i] if i >= 0 else -1
+        length = self._lengths.get(start, 0)
+        if i < 0 or offset + size > start + length:
+            raise ConfigError(f"extent [{offset}, {offset + size}) is not free")
+        del self._lengths[start]
+        del self._starts[i]
+        if offset + size < start + length:  # the free tail
+            self._starts.insert(i, offset + size)
+            self._lengths[offset + size] = start + length - offset - size
+        if start < offset:  # the free head
+            self._starts.insert(i, start)
+            self._lengths[start] = offset - start
+        self._used[offset] = size
+        self.used_bytes += size
+
     def free(self, offset: int) -> None:
         """Return the extent that starts at ``offset``; merges it with free neighbours."""
         size = self._used.pop(offset, None)

@@ -125,6 +125,36 @@ class SwapFile:
             raise SwapIOError(exc.errno, f"swap path {directory}: cannot size {self.path}: {exc.strerror}") from exc
         self.allocator = ExtentAllocator(nbytes, ALIGNMENT_BYTES)
 
+    @classmethod
+    def adopt(cls, index: int, path: str, nbytes: int, inode: int) -> "SwapFile":
+        """The swap file a predecessor made at ``path`` (see [Note: adopted state] in ``daemon.journal``):
+        opened again, and refused with ``SwapIOError`` unless it is the same file (``inode``) of the same
+        size. Its extents start all free; the adopter ``take``s the ones its regions hold."""
+        self = cls.__new__(cls)
+        self.index, self.directory, self.nbytes, self.path = index, os.path.dirname(path), nbytes, path
+        flags = os.O_RDWR | os.O_CLOEXEC
+        try:
+            try:
+                self.fd, self.direct = os.open(path, flags | os.O_DIRECT), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.fd, self.direct = os.open(path, flags), False
+        except OSError as exc:
+            raise SwapIOError(exc.errno, f"swap file {path} of the previous daemon cannot be opened: "
+                                         f"{exc.strerror}") from exc
+        st = os.fstat(self.fd)
+        if st.st_ino != inode or st.st_size != nbytes:
+            os.close(self.fd)
+            raise SwapIOError(errno.ESTALE, f"swap file {path} is not the previous daemon's (inode {st.st_ino}, "
+                                            f"{st.st_size} bytes; the journal says inode {inode}, {nbytes} bytes)")
+        self.allocator = ExtentAllocator(nbytes, ALIGNMENT_BYTES)
+        return self
+
+    def record(self) -> dict:
+        """What a successor needs to adopt this file: its path, size and inode."""
+        return {"path": self.path, "nbytes": self.nbytes, "inode": os.fstat(self.fd).st_ino}
+
     def _discard(self) -> None:
         os.close(self.fd)
         try:
@@ -144,21 +174,34 @@ class SwapFile:
         if (named.st_dev, named.st_ino) != (st.st_dev, st.st_ino):
             raise SwapIOError(errno.ESTALE, f"swap file {self.path} was replaced while in use")
 
-    def close(self) -> None:
-        self._discard()
+    def close(self, keep: bool = False) -> None:
+        """Close the file; unlink it too unless ``keep`` (a successor adopts it)."""
+        if keep:
+            os.close(self.fd)
+        else:
+            self._discard()
 
 
 class SwapSpace:
     """Preallocated swap files and the extents in them."""
 
-    def __init__(self, config: SwapSpaceConfig, engine: IoEngine | None = None) -> None:
+    def __init__(self, config: SwapSpaceConfig, engine: IoEngine | None = None,
+                 adopt: list[dict] | None = None) -> None:
+        """New swap files, one per path; or, with ``adopt`` (``SwapFile.record()`` of each, in path
+        order), the files a predecessor made, opened again with all their extents free."""
         self.config = config
         self.engine = engine
         self._lock = threading.Lock()
         per_file = align_up(-(-config.capacity_bytes // len(config.paths)), config.stripe_bytes)
         self.files: list[SwapFile] = []
         try:
-            for i, directory in enumerate(config.paths):
+            if adopt is not None:
+                if len(adopt) != len(config.paths):
+                    raise SwapIOError(errno.EINVAL, f"the previous daemon had {len(adopt)} swap file(s); "
+                                                    f"[swap] paths names {len(config.paths)}")
+                for i, rec in enumerate(adopt):
+                    self.files.append(SwapFile.adopt(i, rec["path"], rec["nbytes"], rec["inode"]))
+            for i, directory in enumerate(config.paths[len(self.files):], len(self.files)):
                 self.files.append(SwapFile(i, directory, per_file, config.preallocate))
         except BaseException:
             self.close()
@@ -216,6 +259,16 @@ class SwapSpace:
             for fi, offset in firsts.items():
                 self.files[fi].allocator.free(offset)
 
+    def reserve(self, placements: list[Placement]) -> None:
+        """Mark the extents behind ``placements`` (one ``allocate``'s) as held: an adopter's regions."""
+        runs: dict[int, list[int]] = {}
+        for p in placements:
+            first, total = runs.get(p.file_index, (p.file_offset, 0))
+            runs[p.file_index] = [min(first, p.file_offset), total + p.nbytes]
+        with self._lock:
+            for fi, (offset, nbytes) in runs.items():
+                self.files[fi].allocator.take(offset, nbytes)
+
     def check(self, file_indices: set[int] | None = None) -> None:
         """Raise ``SwapIOError`` naming a swap file that was deleted or replaced underneath."""
         for f in self.files:
@@ -230,11 +283,11 @@ class SwapSpace:
             except OSError as exc:
                 raise SwapIOError(exc.errno, f"fdatasync of swap file {f.path} failed: {exc.strerror}") from exc
 
-    def close(self) -> None:
-        """Close and unlink the swap files. Idempotent."""
+    def close(self, keep_files: bool = False) -> None:
+        """Close the swap files and unlink them (not with ``keep_files``: a successor adopts them). Idempotent."""
         files, self.files = self.files, []
         for f in files:
-            f.close()
+            f.close(keep_files)
 
     def __enter__(self) -> "SwapSpace":
         return self

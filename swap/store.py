@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from csrc import ConfigError, OffloadError
 from swap.buffers import HostBlock, HostPool, embedded_pool_config
@@ -92,7 +92,9 @@ class TierStore:
     """
 
     def __init__(self, config: TierStoreConfig, *, pool: HostPool, space: SwapSpace | None,
-                 engine: IoEngine | None) -> None:
+                 engine: IoEngine | None, on_change: Callable[[str, dict | None], None] | None = None) -> None:
+        """``on_change(name, record)``: called under the store's lock after every change of what a region
+        durably is (``record``: its ``durable`` form; None once freed): see [Note: durable regions]."""
         if (space is None) != (engine is None):
             raise ConfigError("a TierStore needs both a swap space and an engine, or neither (host only)")
         self.config = config
@@ -106,6 +108,7 @@ class TierStore:
         self._errors = 0
         self._owned: list[HostPool | SwapSpace | IoEngine] = []
         self._closed = False
+        self._on_change = on_change
         # [Note: registered buffers] in swap.engine: pin the pool once for the engine
         self._buffer_slots = ([engine.register_buffer(seg.address, seg.nbytes) for seg in pool.segments]
                               if engine is not None else [])
@@ -156,6 +159,60 @@ class TierStore:
         seg, off = (r.host.segment_index, r.host.offset) if r.host is not None else (None, None)
         return RegionInfo(r.name, r.nbytes, seg, off, r.tier)
 
+    @staticmethod
+    def _durable(r: _Region) -> dict:
+        """[Note: durable regions] A region as a successor may take it after this process dies: a transfer
+        in flight counts as not begun (a read: still only on NVMe; a write: still dirty in host memory,
+        its new extents not yet its own), so nothing it names is a byte that may not be there yet."""
+        tier, host, placements, checksums, dirty = r.tier, r.host, r.placements, r.checksums, r.dirty
+        op = r.pending
+        if op is not None and op.transfer.write:
+            tier, dirty, checksums = Tier.HOST, True, None
+            placements = None if op.new_placements else placements
+        elif op is not None:
+            tier, host, dirty = Tier.NVME, None, False
+        return {"nbytes": r.nbytes, "tier": tier.name, "dirty": dirty,
+                "host": list(host) if host is not None else None,
+                "placements": [list(p) for p in placements] if placements is not None else None,
+                "checksums": list(checksums) if checksums is not None else None}
+
+    def _changed(self, r: _Region, freed: bool = False) -> None:
+        if self._on_change is not None:
+            self._on_change(r.name, None if freed else self._durable(r))
+
+    def durable(self) -> dict[str, dict]:
+        """Every region's durable record (for a snapshot of the daemon's state)."""
+        with self._lock:
+            return {name: self._durable(r) for name, r in self._regions.items()}
+
+    def restore(self, name: str, record: dict) -> None:
+        """Take back a region a predecessor held, from its ``durable`` record: its host block and swap
+        extents marked held (``ConfigError`` if either is taken or out of range), its state as recorded."""
+        tier = Tier[record["tier"]]
+        host = HostBlock(*record["host"]) if record["host"] is not None else None
+        placements = [Placement(*p) for p in record["placements"]] if record["placements"] is not None else None
+        if tier == Tier.IN_FLIGHT or (host is None) != (tier == Tier.NVME) or \
+                (placements is None and tier != Tier.HOST):
+            raise ConfigError(f"region {name!r}: the record {record} is not a state a region can be in")
+        with self._lock:
+            if name in self._regions:
+                raise ConfigError(f"a region named {name!r} already exists")
+            if placements is not None and self.space is None:
+                raise ConfigError(f"region {name!r} has swap extents and this store has no swap space")
+            if host is not None:
+                if not 0 <= host.segment_index < len(self.pool.segments):
+                    raise ConfigError(f"region {name!r}: host segment {host.segment_index} is not this store's")
+                self.pool.take(host)
+            try:
+                if placements is not None:
+                    self.space.reserve(placements)
+            except BaseException:
+                if host is not None:
+                    self.pool.free(host)
+                raise
+            self._regions[name] = _Region(name, record["nbytes"], tier, host, placements,
+                                          record["checksums"], record["dirty"])
+
     def allocate(self, name: str, nbytes: int) -> RegionInfo:
         """A new region of ``nbytes`` in host memory (tier HOST, contents undefined until written)."""
         if not isinstance(name, str) or not name:
@@ -170,6 +227,7 @@ class TierStore:
             block = self.pool.allocate(nbytes, f"region {name!r}")
             region = _Region(name, nbytes, Tier.HOST, block)
             self._regions[name] = region
+            self._changed(region)
             return self._info(region)
 
     def info(self, name: str) -> RegionInfo:
@@ -203,8 +261,10 @@ class TierStore:
             r = self._get(name)
             if r.tier not in (Tier.HOST, Tier.HOST_AND_NVME):
                 raise ConfigError(f"region {name!r} has no host copy to mark dirty (tier {r.tier.value})")
-            r.dirty = True
-            r.tier = Tier.HOST
+            if not (r.dirty and r.tier == Tier.HOST):
+                r.dirty = True
+                r.tier = Tier.HOST
+                self._changed(r)
 
     def free(self, name: str) -> None:
         """Forget a region and release its host memory and swap extents."""
@@ -213,6 +273,7 @@ class TierStore:
             self._settle(r)
             self._release(r)
             del self._regions[name]
+            self._changed(r, freed=True)
 
     def _release(self, r: _Region) -> None:
         if r.host is not None:
@@ -300,6 +361,7 @@ class TierStore:
                 r.host = block
                 r.tier = Tier.HOST
                 r.dirty = True
+                self._changed(r)
             return TransferHandle("prefetch", [], [r.name for r in regions])
 
     def evict(self, names: Iterable[str]) -> TransferHandle:
@@ -333,16 +395,23 @@ class TierStore:
                     self.pool.free(r.host)
                     r.host = None
                     r.tier = Tier.NVME
+                    self._changed(r)
             for r in dirty:
                 ops.append(self._submit(r, write=True, placements=r.placements, expected=None,
                                         new_placements=r in fresh, free_host=free_host))
             return TransferHandle(kind, ops, [r.name for r in regions])
 
     def _apply(self, op: _Op) -> None:
-        """Under the lock: make a finished transfer's outcome the region's state (once)."""
+        """Under the lock: make a finished transfer's outcome the region's state (once), and say so
+        (the bytes it names are in place by now: [Note: durable regions])."""
         if op.applied:
             return
         op.applied = True
+        self._apply_outcome(op)
+        if op.region.name in self._regions:
+            self._changed(op.region)
+
+    def _apply_outcome(self, op: _Op) -> None:
         r, t = op.region, op.transfer
         r.pending = None
         if t.outcome is not None:

@@ -94,7 +94,11 @@ def format_status(status: dict[str, Any]) -> str:
         def b(key: str) -> str:
             return format_bytes(stats[key]) if isinstance(stats.get(key), (int, float)) else "-"
         by_tier = " ".join(f"{escape(t.lower())}={n}" for t, n in sorted(s.get("regions_by_tier", {}).items())) or "-"
-        rows.append((escape(str(s["job_id"])), str(s["rank"]), str(s.get("uid", "-")), escape(str(s["state"])),
+        state = escape(str(s["state"]))
+        if s.get("daemon_restarts"):  # taken over from a previous daemon (daemon.restart)
+            state += (", reattached" if s.get("reattached_after_restart") else "") + \
+                f" after {s['daemon_restarts']} daemon restart{'s' if s['daemon_restarts'] > 1 else ''}"
+        rows.append((escape(str(s["job_id"])), str(s["rank"]), str(s.get("uid", "-")), state,
                      format_bytes(s["quota_bytes"]), b("host_pool_used_bytes"), str(stats.get("regions", "-")),
                      b("host_bytes"), b("nvme_bytes"), b("in_flight_bytes"), b("dirty_bytes"), by_tier))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]

@@ -367,6 +367,10 @@ class OffloadSectionConfig:
 
     daemon_socket: str | None = None
     """Unix socket of the node daemon; None: $OFFLOAD_DAEMON_SOCKET, else the embedded store."""
+    daemon_reconnect_seconds: float = 300.0
+    """With a daemon: how long a lost connection to it is retried (the daemon restarting, for an upgrade or
+    after a crash) before the step fails with DaemonNotRunningError; 0: not at all ([Note: reconnect after
+    a daemon restart] in daemon.client)."""
     job_id: str | None = None
     """Job id the daemon keys sessions by; None: torchrun's $TORCHELASTIC_RUN_ID, else "default"."""
     resume: str = "auto"
@@ -416,6 +420,7 @@ class OffloadSectionConfig:
     def __post_init__(self) -> None:
         _text(self, "daemon_socket")
         _text(self, "job_id")
+        _float(self, "daemon_reconnect_seconds", 0, 1e6, hi_open=True)
         _int(self, "host_memory_bytes", 1, optional=True)
         _int(self, "swap_capacity_bytes", 1, optional=True)
         _bool(self, "checksum", "delayed_update", "release_host_heap", "node_shared_buffers")

@@ -127,7 +127,8 @@ def _param_tier(zero, layout: FlatLayout, itemsize: int, *, rank: int, aio, chec
 
     def open_() -> Tier:
         return open_tier(plan, daemon_socket=socket, job_id=job, rank=rank, aio=aio, checksum=checksum,
-                         huge_pages=offload.huge_pages if offload is not None else "auto")
+                         huge_pages=offload.huge_pages if offload is not None else "auto",
+                         reconnect_seconds=offload.daemon_reconnect_seconds if offload is not None else 300.0)
 
     tier = open_()
     if getattr(tier.store, "reattached", False):  # left by a process that died: its shards are stale

@@ -78,7 +78,7 @@ def through_daemon(tmp_path, monkeypatch):
                      sessions={"default_quota_bytes": 8 << 20, "reattach_grace_seconds": 60.0})
     monkeypatch.setenv("OFFLOAD_DAEMON_SOCKET", d.socket_path)
     config = ckpt_worker.config("cpu", str(tmp_path), stage=2)
-    config["offload"] = {"job_id": "crash-test"}
+    config["offload"] = {"job_id": "crash-test", "daemon_reconnect_seconds": 1.0}  # no daemon comes back here
     yield d, config
     d.stop()
 

@@ -1,0 +1,83 @@
+"""A daemon that can be stopped or killed and started again as systemd restarts a service with an fd store:
+``RestartableDaemon`` runs the real daemon (``offload daemon``) through ``FdStore`` (``fd_store.py``), which
+plays systemd's fd store, so each start gets what the one before kept (LISTEN_FDS)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from csrc.errors import DaemonNotRunningError
+from daemon.client import daemon_status
+from tests import child_pythonpath
+from tests.daemon.conftest import REPO, DaemonProcess, write_config
+from tests.daemon.fd_store import FdStore
+
+
+class RestartableDaemon:
+    """One daemon config, started again and again; ``proc`` is the running one."""
+
+    def __init__(self, fd_store: bool = True, **tables: dict) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="ofl-r-", dir="/tmp")  # short: AF_UNIX paths are <= 107 bytes
+        server = {"keep_state": "fd_store" if fd_store else "off", **tables.pop("server", {})}
+        self.config = write_config(self.workdir, server=server, **tables)
+        self.socket_path = os.path.join(self.workdir, "d.sock")
+        self.log_path = os.path.join(self.workdir, "daemon.log")
+        self.store = FdStore(self.workdir)
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self, timeout_seconds: float = 60.0) -> "RestartableDaemon":
+        env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), **self.store.env()}
+        with open(self.log_path, "ab") as log:
+            self.proc = self.store.spawn([sys.executable, "-m", "offload.cli", "daemon", "--config", self.config],
+                                         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.starts += 1
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            try:
+                self.status()
+                return self
+            except (DaemonNotRunningError, OSError):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not start:\n{self.log()}") from None
+                time.sleep(0.02)
+
+    def status(self) -> dict:
+        return daemon_status(self.socket_path, timeout_seconds=10.0)
+
+    @property
+    def metrics_port(self) -> int:
+        return int(self.status()["metrics_address"].rpartition(":")[2])
+
+    def log(self) -> str:
+        return Path(self.log_path).read_text()
+
+    def kill(self) -> None:
+        """SIGKILL: the daemon dies wherever it is."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def term(self, timeout_seconds: float = 60.0) -> int:
+        """SIGTERM, as ``systemctl restart`` stops it: drained, journaled, exits."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_seconds)
+
+    def as_process(self) -> DaemonProcess:
+        return DaemonProcess(self.proc, self.socket_path, self.workdir, self.log_path)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.store.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
