@@ -244,17 +244,16 @@ class TierClient:
                 "quota_bytes": config.quota_bytes, "token": self._token_file.read() or config.reattach_token}
         pause = 0.02
         while True:
-            conn = DaemonConnection(config.socket_path, config.timeout_seconds, config.spin_seconds) \
-                if os.path.exists(config.socket_path) else None
+            conn = None
             try:
-                if conn is None:
-                    raise DaemonNotRunningError(f"no daemon socket at {config.socket_path}")
+                conn = DaemonConnection(config.socket_path, config.timeout_seconds, config.spin_seconds)
                 reply, fds = conn.request(Kind.HELLO, body)
                 break
             except (OffloadError, OSError) as exc:
                 if conn is not None:
                     conn.close()
-                if isinstance(exc, SessionError) or time.monotonic() + pause > deadline:
+                attached = isinstance(exc, SessionError) and "already has a session attached" in str(exc)
+                if (isinstance(exc, SessionError) and not attached) or time.monotonic() + pause > deadline:
                     raise DaemonNotRunningError(
                         f"the daemon on {config.socket_path} went away and did not come back with session "
                         f"{self.session_id} of job {config.job_id!r} rank {config.rank} within "

@@ -29,9 +29,16 @@ class FakeSystemd:
         self.sock.bind(b"\0" + address[1:].encode() if address.startswith("@") else address)
 
     def next(self, timeout_seconds: float) -> dict[str, str]:
+        """The next state message (fd store messages, which keep the daemon's state over a restart, are
+        tests/daemon/fd_store.py's to play: their fds are closed here)."""
         self.sock.settimeout(timeout_seconds)
-        data = self.sock.recv(4096).decode()
-        return dict(line.split("=", 1) for line in data.splitlines())
+        while True:
+            data, fds, _, _ = socket.recv_fds(self.sock, 4096, 16)
+            for fd in fds:
+                os.close(fd)
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines())
+            if "FDSTORE" not in fields and "FDSTOREREMOVE" not in fields:
+                return fields
 
     def close(self) -> None:
         self.sock.close()

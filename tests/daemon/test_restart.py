@@ -1,0 +1,203 @@
+"""Issue 42: the daemon restarts without losing a session. Real daemon processes, started again through a
+player of systemd's fd store (``fd_store.py``): stopped with SIGTERM (as ``systemctl restart`` does) or
+killed with SIGKILL, the next start takes over the journal, the segments and the swap files, and a
+``TierClient`` that lost its connection reattaches and goes on, its bytes intact, its transfers issued
+again, and none of them done twice. What cannot be proven the same is refused, and the client is told
+to go back to its checkpoint."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from csrc.errors import DaemonNotRunningError
+from daemon.client import TierClient, TierClientConfig
+from daemon.journal import read_records, state_of
+from tests.daemon.conftest import STORE
+from tests.daemon.prom import scrape
+from tests.daemon.restarts import RestartableDaemon
+
+pytestmark = pytest.mark.skipif(STORE != "swap", reason="a takeover needs the real swap layer")
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def restartable(request):
+    made = []
+
+    def make(fd_store: bool = True, slow: bool = False, **tables) -> RestartableDaemon:
+        tables.setdefault("pool", {"capacity_bytes": 64 * MiB, "segment_bytes": 4 * MiB})
+        tables.setdefault("sessions", {"default_quota_bytes": 16 * MiB, "reattach_grace_seconds": 30.0})
+        if slow:
+            tables["io"] = {"kind": "threads", "block_size_bytes": 4096, "queue_depth": 1, "num_threads": 1}
+        d = RestartableDaemon(fd_store=fd_store, **tables)
+        made.append(d)
+        return d.start()
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def _client(d, job: str, **kw) -> TierClient:
+    return TierClient(TierClientConfig(socket_path=d.socket_path, job_id=job, reconnect_seconds=kw.pop("reconnect", 60),
+                                       **kw))
+
+
+def _fill(c: TierClient, name: str, nbytes: int) -> bytes:
+    data = os.urandom(nbytes)
+    c.allocate(name, nbytes)
+    c.host_view(name)[:] = data
+    c.mark_dirty(name)
+    return data
+
+
+def _journal_state(d: RestartableDaemon) -> dict:
+    """The newest journal generation the fd store holds, folded (what a start after a kill now would read)."""
+    fds = [(int(n.rpartition("-")[2]), fd) for n, fd in d.store.fds() if n.startswith("journal-")]
+    gen, fd = max(fds)
+    data = bytearray()
+    while chunk := os.pread(fd, 1 << 20, len(data)):
+        data += chunk
+    return state_of(read_records(bytes(data)))
+
+
+def _region_in_journal(d: RestartableDaemon, name: str) -> dict | None:
+    for s in _journal_state(d)["sessions"].values():
+        if name in s["regions"]:
+            return s["regions"][name]
+    return None
+
+
+def test_sigterm_restart_keeps_every_session_and_its_bytes(restartable):
+    d = restartable()
+    a, b = _client(d, "alpha"), _client(d, "beta", rank=3)
+    data = {"host": _fill(a, "host", MiB), "clean": _fill(a, "clean", 2 * MiB), "nvme": _fill(a, "nvme", 3 * MiB),
+            "fetching": _fill(a, "fetching", MiB + 5), "other": _fill(b, "other", 2 * MiB)}
+    a.flush()  # "clean" and the rest: on NVMe with a host copy
+    a.mark_dirty("host")
+    a.wait_for_evict(a.evict(["nvme", "fetching"]))
+    fetching = a.prefetch(["fetching"])  # not waited for across the restart
+    views = {n: a.host_view(n) for n in ("host", "clean")}  # taken before: the same memory after
+    inodes_before = [sorted(n for n in d.store.names() if n.startswith("seg-"))]
+    assert d.term() == 0
+    assert "stopped, keeping the journal and segments in the fd store" in d.log()
+    assert inodes_before == [sorted(n for n in d.store.names() if n.startswith("seg-"))]
+    t0 = time.monotonic()
+    d.start()
+    a.wait_for_prefetch(fetching)  # issued again under a new number
+    pause = time.monotonic() - t0
+    assert bytes(a.host_view("fetching")) == data["fetching"]
+    assert {n: bytes(v) for n, v in views.items()} == {n: data[n] for n in views}
+    assert a.info("host").tier.name == "HOST" and a.info("clean").tier.name == "HOST_AND_NVME"
+    assert a.info("nvme").tier.name == "NVME"
+    a.wait_for_prefetch(a.prefetch(["nvme"]))
+    assert bytes(a.host_view("nvme")) == data["nvme"]
+    assert bytes(b.host_view("other")) == data["other"]  # a view needs no request: the same memory
+    assert b.info("other").tier.name == "HOST"
+    assert a.reconnects == 1 and b.reconnects == 1 and pause < 30
+    rows = {r["job_id"]: r for r in d.status()["sessions"]}
+    assert rows["alpha"]["daemon_restarts"] == 1 and rows["alpha"]["reattached_after_restart"]
+    metrics = scrape(d.metrics_port)
+    assert metrics[("offload_sessions_adopted_total", ())] == 2
+    assert metrics[("offload_sessions_reattached_after_restart_total", ())] == 2
+    a.free("clean")
+    a.allocate("new", MiB)  # the pool's and the swap space's accounting carried over: room as before
+    a.close()
+    b.close()
+    assert d.status()["sessions"] == []
+
+
+def test_a_write_the_lost_daemon_finished_is_not_written_again(restartable):
+    """Killed after an evict's write was done and journaled but before the client waited for it: the client
+    issues the evict again, and the successor, which has the region on NVMe, writes nothing."""
+    d = restartable()
+    c = _client(d, "done-write")
+    data = _fill(c, "x", 3 * MiB + 7)
+    handle = c.evict(["x"])
+    deadline = time.monotonic() + 30
+    while (_region_in_journal(d, "x") or {}).get("tier") != "NVME":
+        assert time.monotonic() < deadline, _journal_state(d)
+        time.sleep(0.01)
+    d.kill()
+    d.start()
+    c.wait_for_evict(handle)
+    assert c.stats().bytes_written_total == 0  # nothing written twice
+    assert c.info("x").tier.name == "NVME"
+    c.wait_for_prefetch(c.prefetch(["x"]))
+    assert bytes(c.host_view("x")) == data
+    assert c.stats().bytes_read_total > 0
+    c.close()
+
+
+def test_a_write_killed_in_flight_is_written_again_from_the_host_copy(restartable):
+    d = restartable(slow=True)
+    c = _client(d, "mid-write")
+    data = _fill(c, "x", 4 * MiB)
+    handle = c.evict(["x"])
+    deadline = time.monotonic() + 30
+    while d.status()["inflight"] == 0:  # the write is under way (4 KiB at a time)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert _region_in_journal(d, "x")["tier"] == "HOST"  # in flight: still dirty in host memory, as journaled
+    d.kill()
+    d.start()
+    c.wait_for_evict(handle)
+    assert c.stats().bytes_written_total >= 4 * MiB
+    c.wait_for_prefetch(c.prefetch(["x"]))
+    assert bytes(c.host_view("x")) == data
+    c.close()
+
+
+def test_without_kept_state_the_client_is_told_to_go_back_to_its_checkpoint(restartable):
+    d = restartable(fd_store=False)
+    c = _client(d, "gone", reconnect=20)
+    _fill(c, "x", MiB)
+    d.term()
+    d.start()
+    with pytest.raises(DaemonNotRunningError, match="came back without session .* go back to the last checkpoint"):
+        c.info("x")
+    assert d.status()["sessions"] == []  # the fresh session the reattach opened was closed again
+    c.detach()
+
+
+def test_no_daemon_within_reconnect_seconds_is_the_error_of_before(restartable):
+    d = restartable()
+    c = _client(d, "late", reconnect=0.5)
+    _fill(c, "x", MiB)
+    d.kill()
+    t0 = time.monotonic()
+    with pytest.raises(DaemonNotRunningError, match="did not come back .* within 0 s|within 1 s"):
+        c.info("x")
+    assert time.monotonic() - t0 < 10
+    c.detach()
+
+
+def test_a_segment_that_is_not_the_journals_is_refused(restartable):
+    """Another memfd stored under a session's segment name: the successor cannot prove that session's memory,
+    refuses it with a log line naming it, and its client is told to go back to its checkpoint."""
+    d = restartable()
+    c = _client(d, "swapped", reconnect=20)
+    _fill(c, "x", MiB)
+    lent = _journal_state(d)["sessions"]["1"]["segments"]
+    d.term()
+    impostor = os.memfd_create("impostor")
+    os.ftruncate(impostor, 4 * MiB)
+    seen = len(d.store.messages)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        name = f"seg-{lent[0]}"
+        sock.sendto(f"FDSTOREREMOVE=1\nFDNAME={name}".encode(), d.store.socket_path)
+        sock.sendmsg([f"FDSTORE=1\nFDNAME={name}".encode()],
+                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, impostor.to_bytes(4, "little"))], 0, d.store.socket_path)
+    os.close(impostor)
+    d.store.wait_for(lambda s: len(s.messages) >= seen + 2, 10)
+    d.start()
+    assert f"not taken over from the previous daemon: job 'swapped' rank 0 (uid {os.getuid()}): its host memory " \
+           f"is gone (segment(s) [{lent[0]}]" in d.log()
+    assert scrape(d.metrics_port)[("offload_sessions_refused_total", ())] == 1
+    with pytest.raises(DaemonNotRunningError, match="came back without session"):
+        c.info("x")
+    c.detach()
