@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
@@ -160,6 +161,7 @@ class TierClient:
         """The largest of the session's segments: no region can be longer, nor span two."""
         self._idle_check_seconds = float(reply.get("idle_timeout_seconds") or 0) / 2
         self._session_kept = True
+        self._reconnecting = threading.Lock()
         self._regions: dict[str, Any] = {}  # placements of host copies, asked for when first viewed
         self._stale: set[str] = set()
         self._closed = False
@@ -202,14 +204,18 @@ class TierClient:
         if self._idle_check_seconds and time.monotonic() - self._conn.last_used > self._idle_check_seconds \
                 and self._conn.peer_closed():
             self._reattach_after_idle()
+        conn = self._conn
         try:
-            return self._conn.request(kind, body() if callable(body) else body, wait_seconds)[0]
+            return conn.request(kind, body() if callable(body) else body, wait_seconds)[0]
         except DaemonNotRunningError:
-            if not self.config.reconnect_seconds or self._conn.refused:
+            if not self.config.reconnect_seconds or conn.refused:
                 raise
             lost_at = time.monotonic()
         while True:  # [Note: reconnect after a daemon restart]
-            self._reconnect(lost_at)
+            with self._reconnecting:
+                if self._conn is conn:  # not yet reconnected by another thread that lost it too
+                    self._reconnect(lost_at)
+                conn = self._conn
             try:
                 return self._again(kind, body, wait_seconds)
             except DaemonNotRunningError:  # lost again at once: the daemon went down again
@@ -259,7 +265,7 @@ class TierClient:
                         f"{self.session_id} of job {config.job_id!r} rank {config.rank} within "
                         f"{config.reconnect_seconds:.0f} s ({exc}): go back to the last checkpoint") from None
                 time.sleep(pause)
-                pause = min(0.5, pause * 2)
+                pause = min(0.1, pause * 2)  # a failed connect costs little: find the new daemon soon
         inodes = [os.fstat(fd).st_ino for fd in fds]
         for fd in fds:
             os.close(fd)

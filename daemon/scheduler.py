@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Hashable, Iterable
 
-from csrc.errors import OffloadError, SessionError
+from csrc.errors import DaemonNotRunningError, SessionError
 from daemon.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class FairScheduler:
                names: Iterable[str] | None = None) -> asyncio.Future[None]:
         """Queue a job on regions ``names`` (None: all) for session ``key``; the future completes when ``run()`` has."""
         if self._closed:
-            raise OffloadError("the daemon is shutting down and takes no new I/O")
+            raise DaemonNotRunningError("the daemon is shutting down and takes no new I/O")
         job = _Job(key, cls, max(int(nbytes), 1), run, asyncio.get_running_loop().create_future(),
                    None if names is None else frozenset(names))
         queue = self._queues.setdefault(key, collections.deque())

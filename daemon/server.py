@@ -329,12 +329,13 @@ class DaemonServer:
                 conn.transport.close()
             for task in list(conn.tasks):
                 task.cancel()
-        if self.keeper.journal is not None and drained:
+        if self.keeper.journal is not None:  # consistent drained or not: a transfer in flight counts as not begun
             await self._run_admin(self.keeper.stop)
             self.sessions = None  # kept: not closed
             closed = await self._close_parts(self.config.server.close_timeout_seconds, keep=True)
-            logger.info("stopped, keeping %s for the next start", "the journal and segments in the fd store"
-                        if self.keeper.mode == "fd_store" else f"the journal in {self.keeper.state_dir}")
+            logger.info("stopped (%s), keeping %s for the next start", "drained" if drained else "drain timed out",
+                        "the journal and segments in the fd store" if self.keeper.mode == "fd_store"
+                        else f"the journal in {self.keeper.state_dir}")
             return closed
         closed = await self._close_parts(self.config.server.close_timeout_seconds)
         logger.info("stopped (%s%s)", "drained" if drained else "drain timed out",

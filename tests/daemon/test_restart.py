@@ -84,7 +84,7 @@ def test_sigterm_restart_keeps_every_session_and_its_bytes(restartable):
     views = {n: a.host_view(n) for n in ("host", "clean")}  # taken before: the same memory after
     inodes_before = [sorted(n for n in d.store.names() if n.startswith("seg-"))]
     assert d.term() == 0
-    assert "stopped, keeping the journal and segments in the fd store" in d.log()
+    assert "stopped (drained), keeping the journal and segments in the fd store" in d.log()
     assert inodes_before == [sorted(n for n in d.store.names() if n.startswith("seg-"))]
     t0 = time.monotonic()
     d.start()
@@ -152,12 +152,17 @@ def test_a_write_killed_in_flight_is_written_again_from_the_host_copy(restartabl
     c.close()
 
 
-def test_without_kept_state_the_client_is_told_to_go_back_to_its_checkpoint(restartable):
-    d = restartable(fd_store=False)
+@pytest.mark.parametrize("keep", ["off", "state_dir"])
+def test_without_kept_memory_the_client_is_told_to_go_back_to_its_checkpoint(restartable, keep, tmp_path):
+    """keep_state "off": the stop ends every session. "state_dir": the journal is kept in the state directory
+    but the segments die with the daemon, so the next start refuses the session, saying why."""
+    d = restartable(fd_store=False, server={"keep_state": keep, "state_dir": str(tmp_path / "state")})
     c = _client(d, "gone", reconnect=20)
     _fill(c, "x", MiB)
     d.term()
     d.start()
+    if keep == "state_dir":
+        assert "its host memory is gone (segment(s) [" in d.log() and "no fd store" in d.log()
     with pytest.raises(DaemonNotRunningError, match="came back without session .* go back to the last checkpoint"):
         c.info("x")
     assert d.status()["sessions"] == []  # the fresh session the reattach opened was closed again

@@ -33,12 +33,15 @@ def config(device: str, workdir: str, stage: int) -> dict:
     offload = {"device": device}
     if device == "nvme":
         offload["nvme_path"] = workdir
+    zero = {}
+    if stage == 3 and os.environ.get("PARAM_DEVICE"):  # stage 3's param shards offloaded too
+        zero["offload_param"] = {"device": os.environ["PARAM_DEVICE"]}
     return {"train_batch_size": GLOBAL_BATCH, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": 3e-3,
                                                               "total_num_steps": 60}},
             "zero_optimization": {"stage": stage, "offload_optimizer": offload, "sub_group_size": int(os.environ.get("SUB_GROUP", "256")),
-                                  "reduce_bucket_size": 500}}
+                                  "reduce_bucket_size": 500, **zero}}
 
 
 def final_params(engine, net) -> list[torch.Tensor]:
