@@ -14,6 +14,7 @@ socket_path = "/run/offload/daemon.sock"
 socket_mode = 0o660
 socket_group = "offload"          # its members may connect ("": the daemon's group, no one by group)
 max_connections_per_uid = 256     # and hello_timeout_seconds, idle_timeout_seconds, fd_limit, ...
+keep_state = "auto"               # a restart takes the sessions over: systemd's fd store, else state_dir
 
 [pool]
 capacity_bytes = 17179869184      # node-wide host memory, made and faulted in once at start

@@ -12,8 +12,11 @@ import time
 
 import pytest
 
-from csrc.errors import DaemonNotRunningError
+from csrc.errors import DaemonNotRunningError, SessionError
 from daemon.client import TierClient, TierClientConfig
+from daemon.config import PoolConfig, SessionConfig
+from daemon.sessions import Session, SessionState, SessionTable
+from offload.cli.main import format_status
 from daemon.journal import read_records, state_of
 from tests.daemon.conftest import STORE
 from tests.daemon.prom import scrape
@@ -99,8 +102,10 @@ def test_sigterm_restart_keeps_every_session_and_its_bytes(restartable):
     assert bytes(b.host_view("other")) == data["other"]  # a view needs no request: the same memory
     assert b.info("other").tier.name == "HOST"
     assert a.reconnects == 1 and b.reconnects == 1 and pause < 30
-    rows = {r["job_id"]: r for r in d.status()["sessions"]}
+    status = d.status()
+    rows = {r["job_id"]: r for r in status["sessions"]}
     assert rows["alpha"]["daemon_restarts"] == 1 and rows["alpha"]["reattached_after_restart"]
+    assert "attached, reattached after 1 daemon restart" in format_status(status)
     metrics = scrape(d.metrics_port)
     assert metrics[("offload_sessions_adopted_total", ())] == 2
     assert metrics[("offload_sessions_reattached_after_restart_total", ())] == 2
@@ -206,3 +211,15 @@ def test_a_segment_that_is_not_the_journals_is_refused(restartable):
     with pytest.raises(DaemonNotRunningError, match="came back without session"):
         c.info("x")
     c.detach()
+
+
+def test_a_reattach_with_the_token_before_the_last_is_taken():
+    """A daemon killed after it journaled a reattach's new token but before its reply left: the client still
+    holds the token before it, and the successor takes that one too (and no other)."""
+    table = SessionTable(SessionConfig(), PoolConfig(capacity_bytes=4 * MiB, segment_bytes=4 * MiB), None, None)
+    s = Session(1, "job", 0, os.getuid(), "new-token", 4 * MiB, None, [], lambda: None, state=SessionState.DETACHED,
+                previous_token="old-token", adopted=True)
+    with pytest.raises(SessionError, match="needs the token"):
+        table._reattach(s, os.getuid(), "some-other-token")
+    assert table._reattach(s, os.getuid(), "old-token") == (s, True)
+    assert s.previous_token == "new-token" and s.token not in ("new-token", "old-token")
