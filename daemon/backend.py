@@ -195,6 +195,10 @@ class SwapBackend:
     def segment_bytes(self) -> int:
         return self._pool.segment_bytes
 
+    def return_adopted(self, indices: list[int], owner_uid: int) -> None:
+        """A predecessor's session was refused: its segments go back to the pool (zeroed, kept for its uid)."""
+        self._pool.return_adopted(indices, owner_uid)
+
     def pool_record(self) -> dict[str, Any]:
         """The pool as the journal keeps it: its shape and each segment's memfd inode."""
         return {"segment_bytes": self._pool.segment_bytes, "count": self._pool.count,

@@ -214,6 +214,12 @@ class NodePool:
                 raise KeyError(f"segment(s) {missing} were not handed over")
             return [self.lent.pop(i) for i in indices]
 
+    def return_adopted(self, indices: list[int], uid: int) -> None:
+        """The adopted segments of a session that was not taken over: zeroed and kept for its uid."""
+        with self._lock:
+            segments = [self.lent.pop(i) for i in indices if i in self.lent]
+        self.give(segments, uid)
+
     def give(self, segments: list, uid: int) -> None:
         """Segments a session of ``uid`` is done with: zeroed and kept for ``uid``."""
         for seg in segments:

@@ -55,6 +55,8 @@ class StateKeeper:
         """The predecessor's state, as far as it was proven consistent (its sessions: those to take over)."""
         self.refused: list[str] = []
         """One line for each thing of the predecessor's that was not taken over."""
+        self.refused_sessions = 0
+        """The predecessor's sessions not taken over, for ``offload_sessions_refused_total``."""
         self._stored: dict[str, list[int]] = {}
         self._adopted: set[int] = set()
         self._generation = 0
@@ -84,8 +86,9 @@ class StateKeeper:
             self._close_stored()
         return adoption
 
-    def _refuse(self, line: str) -> None:
+    def _refuse(self, line: str, sessions: int = 1) -> None:
         self.refused.append(line)
+        self.refused_sessions += sessions
         logger.warning("not taken over from the previous daemon: %s", line)
 
     def _prove(self, state: dict[str, Any]) -> BackendAdoption | None:
@@ -97,12 +100,13 @@ class StateKeeper:
         count = config.pool.capacity_bytes // config.pool.segment_bytes
         if (pool["segment_bytes"], pool["count"]) != (config.pool.segment_bytes, count):
             self._refuse(f"all {len(sessions)} session(s): the pool was {pool['count']} segment(s) of "
-                         f"{pool['segment_bytes']} bytes and is now {count} of {config.pool.segment_bytes}")
+                         f"{pool['segment_bytes']} bytes and is now {count} of {config.pool.segment_bytes}",
+                         len(sessions))
             return None
         paths = list(config.swap.get("paths", ()))
         if len(swap["dirs"]) != len(paths) or len(swap["files"]) != len(paths):
             self._refuse(f"all {len(sessions)} session(s): the swap paths changed ({len(swap['dirs'])} before, "
-                         f"{len(paths)} now)")
+                         f"{len(paths)} now)", len(sessions))
             return None
         fds: dict[int, int] = {}
         for name, held in self._stored.items():
@@ -144,7 +148,7 @@ class StateKeeper:
     def refuse_all(self, why: str) -> None:
         """The backend could not take over the predecessor's swap files or segments: start afresh."""
         if self.previous is not None:
-            self._refuse(f"all {len(self.previous['sessions'])} session(s): {why}")
+            self._refuse(f"all {len(self.previous['sessions'])} session(s): {why}", len(self.previous["sessions"]))
         self.previous = None
         self._close_stored()
 

@@ -300,12 +300,13 @@ class SessionTable:
         self.next_session_id = session_id + 1
         return session_id
 
-    async def restore(self, rows: dict[str, dict[str, Any]]) -> None:
+    async def restore(self, rows: dict[str, dict[str, Any]]) -> int:
         """Take over the previous daemon's sessions (``daemon.journal``'s state rows, by id): each store
         rebuilt over its adopted segments and its regions restored, the session detached and kept for the
         grace period. A session whose regions cannot be restored (a host block or swap extent taken
         twice, a record no region can be in) is refused with a log line and its segments go back; the
-        rows left are those taken over."""
+        rows left are those taken over; returns how many were refused."""
+        refused = 0
         for sid in sorted(rows, key=int):
             row = rows[sid]
             key = (row["uid"], row["job_id"], row["rank"])
@@ -316,7 +317,9 @@ class SessionTable:
             except Exception as exc:
                 logger.warning("not taken over from the previous daemon: job %r rank %d (uid %d): %s",
                                row["job_id"], row["rank"], row["uid"], exc)
+                await self._run(self._backend.return_adopted, row["segments"], row["uid"])
                 del rows[sid]
+                refused += 1
                 continue
             try:
                 for name, record in row["regions"].items():
@@ -326,6 +329,7 @@ class SessionTable:
                                row["job_id"], row["rank"], row["uid"], exc)
                 await self._run(opened.close)
                 del rows[sid]
+                refused += 1
                 continue
             session = Session(int(sid), row["job_id"], row["rank"], row["uid"], row["token"], row["quota_bytes"],
                               opened.store, list(opened.segments), opened.close, state=SessionState.ATTACHED,
@@ -343,6 +347,7 @@ class SessionTable:
         if ids:
             self._ids = itertools.count(max(ids) + 1)
             self.next_session_id = max(ids) + 1
+        return refused
 
     def restart_ids(self) -> None:
         """Number new sessions from ``next_session_id`` on (after a takeover: none reuses an old id)."""

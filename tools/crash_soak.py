@@ -10,8 +10,12 @@ equal it too, and times the training: --span defaults to half of it, as runs aft
 Prints one line per run (where the kill landed: the step each rank resumed at, or none when it came
 after the end) and the count that failed.
 
+``--victim daemon`` (issue 42) kills the node daemon instead, at the same kind of moment, and starts it
+again at once through a player of systemd's fd store (``tests/daemon/restarts.py``): torchrun gets no
+restarts, so each run passes only when the same trainer processes went on, bit-equal.
+
 Usage: python tools/crash_soak.py [--runs 20] [--stage 2] [--device nvme] [--width 60000]
-       [--sub-group 200000] [--span S] [--seed 1]
+       [--sub-group 200000] [--span S] [--seed 1] [--victim rank|daemon] [--param-device cpu]
 The run's stderr is kept in a directory per run under --workdir (default: a new one in /tmp).
 """
 from __future__ import annotations
@@ -41,6 +45,8 @@ def _launch(args, workdir: str, socket: str | None, restarts: int) -> subprocess
     env = dict(os.environ, PYTHONPATH=child_pythonpath(str(ROOT)), OMP_NUM_THREADS="1", STAGE=str(args.stage),
                WIDTH=str(args.width), SUB_GROUP=str(args.sub_group))
     env.pop("OFFLOAD_DAEMON_SOCKET", None)
+    if args.param_device:
+        env["PARAM_DEVICE"] = args.param_device
     if socket:
         env["OFFLOAD_DAEMON_SOCKET"] = socket
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", str(restarts),
@@ -77,6 +83,38 @@ def _same(ref: str, run: str) -> bool:
     return True
 
 
+def _daemon_killed_run(args, ref: str, run: str, i: int, delay: float) -> bool:
+    """One run whose daemon is SIGKILLed ``delay`` s after rank 0's second loss line and started again."""
+    from tests.daemon.restarts import RestartableDaemon
+
+    daemon = RestartableDaemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 4 << 20},
+                               sessions={"default_quota_bytes": 64 << 20, "reattach_grace_seconds": 60.0}).start()
+    try:
+        proc = _launch(args, run, daemon.socket_path, 0)
+        while _lines(run, 0) < 2 and proc.poll() is None:
+            time.sleep(0.002)
+        time.sleep(delay)
+        at = _lines(run, 0)
+        t0 = time.monotonic()
+        daemon.kill()
+        daemon.start()
+        restart = time.monotonic() - t0
+        _, err = proc.communicate(timeout=600)
+    finally:
+        Path(run, "daemon.log").write_text(daemon.log())
+        daemon.close()
+    Path(run, "stderr.txt").write_text(err)
+    pauses = [float(line.rsplit(" after ", 1)[1].split()[0]) for line in err.splitlines()
+              if "without the daemon" in line and "reattached session" in line]
+    ok = proc.returncode == 0 and _same(ref, run) and all(_final(run, r)["resumed_step"] is None for r in range(2))
+    print(f"run {i}: daemon killed {delay * 1000:.0f} ms after the second loss line (rank 0 had logged {at} steps), "
+          f"serving again in {restart:.2f} s; ranks without it {', '.join(f'{p:.2f}' for p in pauses) or '-'} s: "
+          f"{'ok' if ok else 'FAILED'}", flush=True)
+    if not ok:
+        print("\n".join(line for line in err.splitlines() if "Error" in line)[:2000])
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20)
@@ -88,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="latest kill, seconds after the second loss line (default: half an uninterrupted run's)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--victim", default="rank", choices=("rank", "daemon"))
+    ap.add_argument("--param-device", default=None, choices=("cpu", "nvme"), help="stage 3: offload_param too")
     args = ap.parse_args(argv)
     base = args.workdir or tempfile.mkdtemp(prefix="crash-soak-")
     ref = os.path.join(base, "reference")
@@ -114,10 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     failed = 0
     for i in range(args.runs):
-        daemon = start_daemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 4 << 20},
-                              sessions={"default_quota_bytes": 64 << 20, "reattach_grace_seconds": 60.0})
         run = os.path.join(base, f"run{i}")
         os.makedirs(run, exist_ok=True)
+        if args.victim == "daemon":
+            failed += not _daemon_killed_run(args, ref, run, i, rng.uniform(0, span))
+            continue
+        daemon = start_daemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 4 << 20},
+                              sessions={"default_quota_bytes": 64 << 20, "reattach_grace_seconds": 60.0})
         delay, victim = rng.uniform(0, span), rng.randrange(2)
         try:
             proc = _launch(args, run, daemon.socket_path, 1)

@@ -17,7 +17,7 @@ from daemon.client import TierClient, TierClientConfig
 from daemon.config import PoolConfig, SessionConfig
 from daemon.sessions import Session, SessionState, SessionTable
 from offload.cli.main import format_status
-from daemon.journal import read_records, state_of
+from daemon.journal import encode_record, read_records, state_of
 from tests.daemon.conftest import STORE
 from tests.daemon.prom import scrape
 from tests.daemon.restarts import RestartableDaemon
@@ -223,3 +223,44 @@ def test_a_reattach_with_the_token_before_the_last_is_taken():
         table._reattach(s, os.getuid(), "some-other-token")
     assert table._reattach(s, os.getuid(), "old-token") == (s, True)
     assert s.previous_token == "new-token" and s.token not in ("new-token", "old-token")
+
+
+@pytest.mark.parametrize("forgery", ["shared-host-block", "segment-held-twice"])
+def test_a_session_that_cannot_be_restored_is_refused_and_the_others_taken_over(restartable, forgery):
+    """The newest journal generation says two of one session's regions share a host block, or that it holds a
+    segment another session holds: that session is refused with a line naming it, its client is told to go
+    back to its checkpoint, its segments go back to the pool, and the other session, whole, is taken over."""
+    d = restartable()
+    good, bad = _client(d, "good", rank=1), _client(d, "bad", reconnect=20)  # bad is restored second
+    _fill(bad, "p", MiB)
+    _fill(bad, "q", MiB)
+    kept = _fill(good, "g", MiB)
+    assert d.term() == 0
+    state = _journal_state(d)
+    sid = next(k for k, s in state["sessions"].items() if s["job_id"] == "bad")
+    if forgery == "shared-host-block":  # two regions in one block: no state a store can be in
+        regions = state["sessions"][sid]["regions"]
+        regions["q"]["host"] = list(regions["p"]["host"])
+    else:
+        other = next(s for k, s in state["sessions"].items() if k != sid)
+        state["sessions"][sid]["segments"][-1] = other["segments"][0]
+    gen = max(int(n.rpartition("-")[2]) for n in d.store.names() if n.startswith("journal-"))
+    forged = os.memfd_create("forged")
+    os.write(forged, encode_record(0, {"op": "base", "state": state}))
+    seen = len(d.store.messages)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendmsg([f"FDSTORE=1\nFDNAME=journal-{gen + 1}".encode()],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, forged.to_bytes(4, "little"))], 0, d.store.socket_path)
+    os.close(forged)
+    d.store.wait_for(lambda s: len(s.messages) > seen, 10)
+    d.start()
+    assert "not taken over from the previous daemon: job 'bad' rank 0" in d.log()
+    assert "took over job good rank 1" in d.log()
+    assert scrape(d.metrics_port)[("offload_sessions_refused_total", ())] == 1
+    assert bytes(good.host_view("g")) == kept and good.info("g").tier.name == "HOST"
+    with pytest.raises(DaemonNotRunningError, match="came back without session"):
+        bad.info("p")
+    bad.detach()
+    others = [_client(d, f"new{i}") for i in range(3)]  # 3 x 16 MiB: only with the refused session's back
+    for c in [good, *others]:
+        c.close()
