@@ -11,7 +11,7 @@ stops at the first record that is short, fails its checksum or breaks the sequen
 any instant leaves the state after some whole record, never part of one.
 
 The order of writes makes that state true of the bytes (see [Note: durable regions] in
-``swap.store``): a region's record is appended only after every byte it names is in place (a
+``swap.durable``): a region's record is appended only after every byte it names is in place (a
 finished write-back's record after the write, never at its start), a transfer in flight is recorded
 as not begun, and the reply that tells a client of a change leaves after its record. So whatever
 prefix a successor reads, each region it describes holds the bytes the record says.

@@ -23,10 +23,11 @@ from typing import Callable, Iterable
 
 from csrc import ConfigError, OffloadError
 from swap.buffers import HostBlock, HostPool, embedded_pool_config
+from swap.durable import durable_record, parse_record
 from swap.engine import IoEngine, IoEngineConfig, open_engine
 from swap.records import RegionInfo, Tier, TierStats, TierStoreConfig
 from swap.space import Placement, SwapSpace, SwapSpaceConfig
-from swap.transfer import RegionTransfer, split_chunks
+from swap.transfer import BusyTime, RegionTransfer, split_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +69,6 @@ class TransferHandle:
         return f"TransferHandle({self.kind}, {len(self.names)} region(s), done={self.done()})"
 
 
-class _Busy:
-    """Wall time during which at least one transfer of one direction was in flight."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.bytes = 0
-        self._until_ns = 0
-
-    def add(self, start_ns: int, end_ns: int, nbytes: int) -> None:
-        self.seconds += max(0, end_ns - max(start_ns, self._until_ns)) / 1e9
-        self._until_ns = max(self._until_ns, end_ns)
-        self.bytes += nbytes
-
-
 class TierStore:
     """Named regions over a host pool and a swap space, moved by one engine. Thread safe.
 
@@ -94,7 +81,7 @@ class TierStore:
     def __init__(self, config: TierStoreConfig, *, pool: HostPool, space: SwapSpace | None,
                  engine: IoEngine | None, on_change: Callable[[str, dict | None], None] | None = None) -> None:
         """``on_change(name, record)``: called under the store's lock after every change of what a region
-        durably is (``record``: its ``durable`` form; None once freed): see [Note: durable regions]."""
+        durably is (``record``: ``swap.durable.durable_record``; None once freed): [Note: durable regions]."""
         if (space is None) != (engine is None):
             raise ConfigError("a TierStore needs both a swap space and an engine, or neither (host only)")
         self.config = config
@@ -103,8 +90,8 @@ class TierStore:
         self.engine = engine
         self._lock = threading.RLock()
         self._regions: dict[str, _Region] = {}
-        self._read = _Busy()
-        self._write = _Busy()
+        self._read = BusyTime()
+        self._write = BusyTime()
         self._errors = 0
         self._owned: list[HostPool | SwapSpace | IoEngine] = []
         self._closed = False
@@ -159,41 +146,19 @@ class TierStore:
         seg, off = (r.host.segment_index, r.host.offset) if r.host is not None else (None, None)
         return RegionInfo(r.name, r.nbytes, seg, off, r.tier)
 
-    @staticmethod
-    def _durable(r: _Region) -> dict:
-        """[Note: durable regions] A region as a successor may take it after this process dies: a transfer
-        in flight counts as not begun (a read: still only on NVMe; a write: still dirty in host memory,
-        its new extents not yet its own), so nothing it names is a byte that may not be there yet."""
-        tier, host, placements, checksums, dirty = r.tier, r.host, r.placements, r.checksums, r.dirty
-        op = r.pending
-        if op is not None and op.transfer.write:
-            tier, dirty, checksums = Tier.HOST, True, None
-            placements = None if op.new_placements else placements
-        elif op is not None:
-            tier, host, dirty = Tier.NVME, None, False
-        return {"nbytes": r.nbytes, "tier": tier.name, "dirty": dirty,
-                "host": list(host) if host is not None else None,
-                "placements": [list(p) for p in placements] if placements is not None else None,
-                "checksums": list(checksums) if checksums is not None else None}
-
     def _changed(self, r: _Region, freed: bool = False) -> None:
         if self._on_change is not None:
-            self._on_change(r.name, None if freed else self._durable(r))
+            self._on_change(r.name, None if freed else durable_record(r))
 
     def durable(self) -> dict[str, dict]:
         """Every region's durable record (for a snapshot of the daemon's state)."""
         with self._lock:
-            return {name: self._durable(r) for name, r in self._regions.items()}
+            return {name: durable_record(r) for name, r in self._regions.items()}
 
     def restore(self, name: str, record: dict) -> None:
-        """Take back a region a predecessor held, from its ``durable`` record: its host block and swap
+        """Take back a region a predecessor held, from its durable record: its host block and swap
         extents marked held (``ConfigError`` if either is taken or out of range), its state as recorded."""
-        tier = Tier[record["tier"]]
-        host = HostBlock(*record["host"]) if record["host"] is not None else None
-        placements = [Placement(*p) for p in record["placements"]] if record["placements"] is not None else None
-        if tier == Tier.IN_FLIGHT or (host is None) != (tier == Tier.NVME) or \
-                (placements is None and tier != Tier.HOST):
-            raise ConfigError(f"region {name!r}: the record {record} is not a state a region can be in")
+        nbytes, tier, host, placements, checksums, dirty = parse_record(name, record)
         with self._lock:
             if name in self._regions:
                 raise ConfigError(f"a region named {name!r} already exists")
@@ -210,8 +175,7 @@ class TierStore:
                 if host is not None:
                     self.pool.free(host)
                 raise
-            self._regions[name] = _Region(name, record["nbytes"], tier, host, placements,
-                                          record["checksums"], record["dirty"])
+            self._regions[name] = _Region(name, nbytes, tier, host, placements, checksums, dirty)
 
     def allocate(self, name: str, nbytes: int) -> RegionInfo:
         """A new region of ``nbytes`` in host memory (tier HOST, contents undefined until written)."""

@@ -23,7 +23,7 @@ from swap.space import Placement, SwapSpace
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Chunk", "RegionTransfer", "split_chunks"]
+__all__ = ["BusyTime", "Chunk", "RegionTransfer", "split_chunks"]
 
 
 class Chunk(NamedTuple):
@@ -43,6 +43,20 @@ def split_chunks(placements: list[Placement], chunk_bytes: int) -> list[Chunk]:
             chunks.append(Chunk(p.file_index, p.file_offset + k, p.region_offset + k, min(chunk_bytes, p.nbytes - k)))
     chunks.sort(key=lambda c: c.region_offset)
     return chunks
+
+
+class BusyTime:
+    """Wall time during which at least one transfer of one direction was in flight (fed in finishing order)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.bytes = 0
+        self._until_ns = 0
+
+    def add(self, start_ns: int, end_ns: int, nbytes: int) -> None:
+        self.seconds += max(0, end_ns - max(start_ns, self._until_ns)) / 1e9
+        self._until_ns = max(self._until_ns, end_ns)
+        self.bytes += nbytes
 
 
 class RegionTransfer:

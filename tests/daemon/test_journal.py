@@ -1,6 +1,6 @@
 """Issue 42: the daemon's journal ([Note: adopted state] in daemon.journal). A journal cut at every write
 boundary, and inside every record, reads as the state after the last whole record: never a mix. A region's
-record never names bytes that are not there yet ([Note: durable regions] in swap.store): each record a
+record never names bytes that are not there yet ([Note: durable regions] in swap.durable): each record a
 store emits is checked against the swap file's bytes (plain reads) and the host copy at the moment it is
 emitted, with the engine held so that a transfer is surely in flight."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from daemon import journal as journal_mod
 from daemon.journal import Journal, MemfdSink, FileSink, newest_state, read_records, state_of
 from swap import IoEngineConfig, Tier, TierStore
+from swap.durable import durable_record
 
 
 class RecordingSink:
@@ -242,14 +243,14 @@ def test_a_region_record_never_names_bytes_not_yet_in_place(tmp_path):
             store.host_view(name)[:] = contents[name]
         handle = store.evict(["a", "b"])  # held: nothing written yet
         assert [t for _, t in seen] == ["HOST", "HOST"]  # the allocations; the evict says nothing yet
-        assert store._durable(store._regions["a"])["tier"] == "HOST"
+        assert durable_record(store._regions["a"])["tier"] == "HOST"
         held.gate.set()
         store.wait_for_evict(handle)
         assert seen[-2:] == [("a", "NVME"), ("b", "NVME")]
         held.gate.clear()
         handle = store.prefetch(["a"])  # held: nothing read yet
         assert seen[-1] == ("b", "NVME")
-        assert store._durable(store._regions["a"])["tier"] == "NVME"
+        assert durable_record(store._regions["a"])["tier"] == "NVME"
         held.gate.set()
         store.wait_for_prefetch(handle)
         assert seen[-1] == ("a", "HOST_AND_NVME")

@@ -66,3 +66,19 @@ def test_full_returns_none_and_bad_free_is_an_error():
         alloc.free(ALIGN)
     with pytest.raises(ConfigError, match="capacity_bytes"):
         ExtentAllocator(ALIGN + 1, ALIGN)
+
+
+def test_take_marks_a_given_extent_held_and_only_a_free_one():
+    """What an adopter does with a predecessor's extents (issue 42): the run around it stays free, in order."""
+    a = ExtentAllocator(64 * 4096, 4096)
+    a.take(8 * 4096, 3 * 4096)
+    assert a.free_runs() == [(0, 8 * 4096), (11 * 4096, 53 * 4096)] and a.used_bytes == 3 * 4096
+    a.take(0, 5000)  # rounded up to two pages, at the start of the first run
+    assert a.free_runs() == [(2 * 4096, 6 * 4096), (11 * 4096, 53 * 4096)]
+    for offset, nbytes in ((9 * 4096, 4096), (7 * 4096, 2 * 4096), (100, 4096), (63 * 4096, 2 * 4096)):
+        with pytest.raises(ConfigError):
+            a.take(offset, nbytes)  # held, overlapping a held one, unaligned, past the end
+    a.free(8 * 4096)  # merges with the free runs on both sides
+    assert a.free_runs() == [(2 * 4096, 62 * 4096)]
+    assert a.allocate(3 * 4096) == 2 * 4096  # first fit as usual
+    assert a.free_runs() == [(5 * 4096, 59 * 4096)] and a.used_bytes == 5 * 4096
