@@ -103,8 +103,8 @@ class DaemonConnection:
         with self._lock:
             request_id = next(self._ids)
             timeout = None if wait_seconds is None else self._timeout + wait_seconds
-            self._set_timeout(timeout)
             try:
+                self._set_timeout(timeout)
                 self._sock.sendall(encode_frame(int(kind), request_id, body))
                 frame = self._read_frame(kind is Kind.HELLO, wait_seconds == 0.0)
             except (BrokenPipeError, ConnectionResetError) as exc:
