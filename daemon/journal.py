@@ -30,6 +30,7 @@ import logging
 import os
 import struct
 import threading
+import time
 import zlib
 from typing import Any, Callable, Protocol
 
@@ -269,6 +270,8 @@ class Journal:
         self._base_bytes = 0
         self.records_total = 0
         self.generations_total = 0
+        self.seconds_total = 0.0
+        """Time spent in ``append`` (encoding, checksum, write, new generations), for the metrics."""
         with self._lock:
             self._new_generation()
 
@@ -280,6 +283,7 @@ class Journal:
 
     def append(self, record: dict[str, Any]) -> None:
         with self._lock:
+            t0 = time.perf_counter()
             fold(self.state, record)
             data = encode_record(self._seq, record)
             self._sink.write(self._end, data)
@@ -288,6 +292,7 @@ class Journal:
             self.records_total += 1
             if self._end > max(COMPACT_MIN_BYTES, COMPACT_FACTOR * self._base_bytes):
                 self._new_generation()
+            self.seconds_total += time.perf_counter() - t0
 
     def snapshot(self) -> None:
         """Start a new generation now (a clean stop writes one, so its successor reads one record)."""

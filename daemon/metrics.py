@@ -20,6 +20,7 @@ offload_sessions                                  gauge      state (attached|det
 offload_sessions_adopted_total                    counter    (none): taken over from a previous daemon at start
 offload_sessions_reattached_after_restart_total   counter    (none): of those, reattached by their trainer
 offload_sessions_refused_total                    counter    (none): a previous daemon's sessions not taken over
+offload_journal_records_total, _seconds_total    counter    (none): kept for a successor, and the time it took
 offload_errors_total                              counter    kind (error class name); a poll's "not yet"
                                                              is no error (see daemon.handlers)
 offload_optimizer_step_seconds                    histogram  (none): reported by clients
@@ -52,7 +53,7 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from csrc.errors import ConfigError
 from daemon.config import MetricsConfig, SessionConfig
@@ -104,6 +105,7 @@ class _LiveCollector:
         self.handlers: Any = None
         self.backend: Any = None
         self.sessions: Any = None
+        self.keeper: Any = None
 
     def _per_session(self):
         labels = ["uid", "job", "rank"]
@@ -138,6 +140,12 @@ class _LiveCollector:
         yield swap
         yield inflight
         yield from self._per_session()
+        journal = getattr(self.keeper, "journal", None)
+        if journal is not None:
+            yield CounterMetricFamily("offload_journal_records", "Records the journal kept for a successor "
+                                      "(daemon.journal).", value=journal.records_total)
+            yield CounterMetricFamily("offload_journal_seconds", "Time spent appending them (encoding, "
+                                      "checksum, write; new generations included).", value=journal.seconds_total)
 
 
 class DaemonMetrics:
@@ -197,10 +205,11 @@ class DaemonMetrics:
         self._heartbeat = time.monotonic()
         self.stopping = False
 
-    def watch(self, handlers: Any, backend: Any, sessions: Any = None) -> None:
-        """Read in-flight bytes from ``handlers``, swap use from ``backend`` and each of ``sessions``' bytes held
-        at every scrape."""
+    def watch(self, handlers: Any, backend: Any, sessions: Any = None, keeper: Any = None) -> None:
+        """Read in-flight bytes from ``handlers``, swap use from ``backend``, each of ``sessions``' bytes held and
+        ``keeper``'s journal figures at every scrape."""
         self._live.handlers, self._live.backend, self._live.sessions = handlers, backend, sessions
+        self._live.keeper = keeper
 
     def heartbeat(self) -> None:
         """The event loop ran just now (called from the loop every second)."""

@@ -256,7 +256,7 @@ class DaemonServer:
         self.handler_table = {int(k): fn for k, fn in self.handlers.table().items()}
         self.metrics.set_pool(0, self.sessions.capacity_bytes)
         self.metrics.set_sessions(0, 0)
-        self.metrics.watch(self.handlers, self.backend, self.sessions)
+        self.metrics.watch(self.handlers, self.backend, self.sessions, self.keeper)
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)  # no window in which the socket is wider than asked
         try:
