@@ -87,7 +87,7 @@ def _daemon_killed_run(args, ref: str, run: str, i: int, delay: float) -> bool:
     """One run whose daemon is SIGKILLed ``delay`` s after rank 0's second loss line and started again."""
     from tests.daemon.restarts import RestartableDaemon
 
-    daemon = RestartableDaemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 4 << 20},
+    daemon = RestartableDaemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 16 << 20},
                                sessions={"default_quota_bytes": 64 << 20, "reattach_grace_seconds": 60.0}).start()
     try:
         proc = _launch(args, run, daemon.socket_path, 0)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = os.path.join(base, "reference")
     os.makedirs(ref, exist_ok=True)
     _, err = _launch(args, ref, None, 0).communicate()
-    daemon = start_daemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 4 << 20},
+    daemon = start_daemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 16 << 20},
                           sessions={"default_quota_bytes": 64 << 20, "reattach_grace_seconds": 60.0})
     timed = os.path.join(base, "uninterrupted")
     os.makedirs(timed, exist_ok=True)
@@ -143,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.002)
         t0 = time.monotonic()
         _, err2 = proc.communicate()
-        span = args.span if args.span is not None else 0.5 * (time.monotonic() - t0)  # a killed run steps faster
+        # A run with a rank killed steps faster after its restart; one with the daemon killed goes on as it was.
+        span = args.span if args.span is not None else (0.5 if args.victim == "rank" else 0.8) * (time.monotonic() - t0)
     finally:
         daemon.stop()
+    Path(ref, "stderr.txt").write_text(err)
+    Path(timed, "stderr.txt").write_text(err2)
     if not (os.path.exists(os.path.join(ref, "final-rank1.pt")) and proc.returncode == 0 and _same(ref, timed)):
-        print(err[-2000:], err2[-2000:], "crash soak: the uninterrupted runs failed or differ", file=sys.stderr)
+        print(f"crash soak: the uninterrupted runs failed or differ (their stderr: {ref}/stderr.txt, "
+              f"{timed}/stderr.txt)", file=sys.stderr)
         return 2
     print(f"crash soak: stage {args.stage}, {args.device}, width {args.width}; kills within {span:.2f} s after the "
           f"second loss line; runs in {base}", flush=True)
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.victim == "daemon":
             failed += not _daemon_killed_run(args, ref, run, i, rng.uniform(0, span))
             continue
-        daemon = start_daemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 4 << 20},
+        daemon = start_daemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 16 << 20},
                               sessions={"default_quota_bytes": 64 << 20, "reattach_grace_seconds": 60.0})
         delay, victim = rng.uniform(0, span), rng.randrange(2)
         try:
