@@ -195,6 +195,31 @@ class SwapBackend:
     def segment_bytes(self) -> int:
         return self._pool.segment_bytes
 
+    def _placements(self, regions: dict[str, dict]) -> list[list[Any]]:
+        return [[_swap.Placement(*p) for p in r["placements"]] for r in regions.values() if r["placements"]]
+
+    def reserve_extents(self, regions: dict[str, dict]) -> None:
+        """Hold the swap extents of a session waiting for its trainer's hand-back (its ``durable`` records)."""
+        for placements in self._placements(regions):
+            self._space.reserve(placements)
+
+    def release_extents(self, regions: dict[str, dict]) -> None:
+        for placements in self._placements(regions):
+            self._space.release(placements)
+
+    def install(self, indices: list[int], fds: list[int]) -> None:
+        """Segments handed back by the trainer that maps them (inodes checked by the caller)."""
+        for index, fd in zip(indices, fds):
+            self._pool.install(index, fd)
+
+    def vacant_inodes(self, indices: list[int]) -> list[int | None]:
+        """The journaled memfd inodes of vacant segments (None: not vacant)."""
+        return [self._pool.vacant.get(i) for i in indices]
+
+    def fill(self, indices: list[int]) -> None:
+        """Vacant segments that no trainer handed back: made anew."""
+        self._pool.fill(indices)
+
     def return_adopted(self, indices: list[int], owner_uid: int) -> None:
         """A predecessor's session was refused: its segments go back to the pool (zeroed, kept for its uid)."""
         self._pool.return_adopted(indices, owner_uid)
@@ -202,7 +227,8 @@ class SwapBackend:
     def pool_record(self) -> dict[str, Any]:
         """The pool as the journal keeps it: its shape and each segment's memfd inode."""
         return {"segment_bytes": self._pool.segment_bytes, "count": self._pool.count,
-                "inodes": {str(i): os.fstat(s.fd).st_ino for i, s in sorted(self._pool.segments.items())},
+                "inodes": {str(i): ino for i, ino in sorted({**self._pool.vacant, **{
+                    i: os.fstat(s.fd).st_ino for i, s in self._pool.segments.items()}}.items())},
                 "given": {str(uid): indices for uid, indices in self._pool.given().items()}}
 
     def pool_segments(self) -> dict[int, Any]:

@@ -238,22 +238,25 @@ class TierClient:
             return {}
         return conn.request(kind, body, wait_seconds)[0]
 
-    def _reconnect(self, lost_at: float) -> None:
+    def _reconnect(self, lost_at: float, why: str = "lost the daemon", seconds: float | None = None) -> None:
         """Reattach the session after a lost connection, within reconnect_seconds; the transfers not
         waited for issued again. ``DaemonNotRunningError`` when the daemon does not come back with it."""
         config = self.config
         self._conn.close()
-        deadline = lost_at + config.reconnect_seconds
-        logger.warning("lost the daemon on %s; reconnecting for up to %.0f s", config.socket_path,
-                       config.reconnect_seconds)
+        seconds = config.reconnect_seconds if seconds is None else seconds
+        deadline = lost_at + seconds
+        logger.warning("%s on %s; reconnecting for up to %.0f s", why, config.socket_path, seconds)
         body = {"version": PROTOCOL_VERSION, "job_id": config.job_id, "rank": config.rank,
-                "quota_bytes": config.quota_bytes, "token": self._token_file.read() or config.reattach_token}
+                "quota_bytes": config.quota_bytes, "token": self._token_file.read() or config.reattach_token,
+                "hand_back": len(self._segments.fds)}
         pause = 0.02
         while True:
             conn = None
             try:
                 conn = DaemonConnection(config.socket_path, config.timeout_seconds, config.spin_seconds)
                 reply, fds = conn.request(Kind.HELLO, body)
+                if "hand_back" in reply:  # a daemon restarted without our memory asks for it
+                    reply, fds = conn.hand_back(self._segments.fds)
                 break
             except (OffloadError, OSError) as exc:
                 if conn is not None:
@@ -263,7 +266,7 @@ class TierClient:
                     raise DaemonNotRunningError(
                         f"the daemon on {config.socket_path} went away and did not come back with session "
                         f"{self.session_id} of job {config.job_id!r} rank {config.rank} within "
-                        f"{config.reconnect_seconds:.0f} s ({exc}): go back to the last checkpoint") from None
+                        f"{seconds:.0f} s ({exc}): go back to the last checkpoint") from None
                 time.sleep(pause)
                 pause = min(0.1, pause * 2)  # a failed connect costs little: find the new daemon soon
         inodes = [os.fstat(fd).st_ino for fd in fds]
@@ -295,19 +298,10 @@ class TierClient:
                        self.session_id, seconds, len(self._pending))
 
     def _reattach_after_idle(self) -> None:
-        """The daemon closed the idle connection: reattach to the session (same segments, still mapped)."""
-        self._conn.close()
-        token = self._token_file.read() or self.config.reattach_token
-        conn, reply, fds = self._hello(token)
-        for fd in fds:  # the segments are the ones mapped already
-            os.close(fd)
-        if not reply["reattached"] or reply["session_id"] != self.session_id:
-            conn.request(Kind.BYE, wait_seconds=None)
-            conn.close()
-            raise SessionError(f"session {self.session_id} was reclaimed while this client was idle "
-                               "(longer than the daemon's idle timeout and grace period)")
-        self._conn = conn
-        logger.info("reattached session %d after the daemon's idle timeout", self.session_id)
+        """The daemon closed the idle connection: reattach to the session (same segments, still mapped), as
+        after a lost connection."""
+        with self._reconnecting:
+            self._reconnect(time.monotonic(), "the daemon closed this idle connection", self.config.timeout_seconds)
 
     # -- the TierStore verbs ----------------------------------------------------------
     def allocate(self, name: str, nbytes: int) -> Any:

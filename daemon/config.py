@@ -135,10 +135,10 @@ class ServerConfig:
     keep_state: str = "auto"
     """Whether a restarted daemon takes over its predecessor's sessions ([Note: adopted state] in
     ``daemon.journal``): "fd_store" keeps the journal and the segments in systemd's fd store (the unit
-    needs ``FileDescriptorStoreMax=``); "state_dir" keeps the journal in ``state_dir`` (the segments die with
-    the daemon, so only sessions a successor can prove whole come back: none with host memory); "off":
-    a stop ends every session, as before; "auto": "fd_store" under systemd (``NOTIFY_SOCKET``), else
-    "state_dir" where one is set, else "off"."""
+    needs ``FileDescriptorStoreMax=``); "state_dir" keeps the journal in ``state_dir``, and the segments,
+    which die with the daemon, come back from the trainers that map them ([Note: hand-back] in
+    ``daemon.handback``); "off": a stop ends every session, as before; "auto": "fd_store" under systemd
+    (``NOTIFY_SOCKET``), else "state_dir" where one is set, else "off"."""
     state_dir: str = ""
     """Where the journal is kept without an fd store; "" takes ``$STATE_DIRECTORY`` (systemd's
     ``StateDirectory=``), else none."""

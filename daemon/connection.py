@@ -29,6 +29,7 @@ from csrc.errors import OffloadError, ProtocolError, QuotaExceededError, Session
 from daemon.handlers import PEER_KINDS, SYNC_KINDS, StillInFlight, needs_session, no_session_error
 from daemon.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, Flag, Frame, FrameDecoder, Kind, check_fields, decode_body, \
     encode_frame, error_body
+from daemon.handback import HandBackNeeded, receive_hand_back
 from daemon.sessions import Session
 from daemon.shm import send_with_fds
 
@@ -270,8 +271,7 @@ class Connection(asyncio.Protocol):
             if not MIN_PROTOCOL_VERSION <= body["version"] <= PROTOCOL_VERSION:
                 raise ProtocolError(f"protocol version {body['version']} not spoken here (daemon speaks "
                                     f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION})")
-            session, reattached = await self.server.sessions.attach(
-                body["job_id"], body["rank"], body["quota_bytes"], self.uid, body.get("token", ""))
+            session, reattached = await self._attach(frame, body)
         except (OffloadError, ValueError, OSError) as exc:
             self.hello_pending = False
             self.reply_error(frame.request_id, frame.kind, exc, f"job {body.get('job_id')!r} rank {body.get('rank')}")
@@ -296,6 +296,32 @@ class Connection(asyncio.Protocol):
             self.transport.close()
             return
         self.server.request_seconds[int(Kind.HELLO)].observe(time.perf_counter() - t0)
+
+    async def _attach(self, frame: Frame, body: dict[str, Any]) -> tuple[Session, bool]:
+        """The HELLO's session; one whose segments its trainer is to hand back first asks for them
+        ([Note: hand-back] in daemon.handback)."""
+        args = (body["job_id"], body["rank"], body["quota_bytes"], self.uid, body.get("token", ""))
+        try:
+            return await self.server.sessions.attach(*args)
+        except HandBackNeeded as need:
+            count = len(need.session.pending["segments"])
+            if body.get("hand_back") != count:  # a new process: the memory is gone with the old one
+                logger.info("job %s rank %d: the client offers none of the %d segment(s) its session waits for; "
+                            "the session is dropped and a new one opened", body["job_id"], body["rank"], count)
+                await self.server.sessions.reclaim(need.session)
+                return await self.server.sessions.attach(*args)
+            self.transport.pause_reading()  # the fds come next, on their own: nothing else may read them
+            try:
+                self.reply(frame, {"hand_back": count})
+                fds = await receive_hand_back(self.transport, count)
+            except ProtocolError:
+                await self.server.sessions.reclaim(need.session)
+                raise
+            finally:
+                if not self.transport.is_closing():
+                    self.transport.resume_reading()
+            await self.server.sessions.take_hand_back(need.session, fds)
+            return await self.server.sessions.attach(*args)
 
     async def send_fds(self, data: bytes, fds: list[int]) -> None:
         """Send ``data`` with ``fds`` on the transport's socket, in order with other writes."""

@@ -10,6 +10,7 @@ import builtins
 import errno as errno_mod
 import itertools
 import logging
+import os
 import socket
 import struct
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 import csrc.errors as errors
 from csrc.errors import DaemonNotRunningError, OffloadError, ProtocolError
 from daemon.protocol import HEADER, Flag, Frame, Kind, decode_body, encode_frame
-from daemon.shm import recv_with_fds
+from daemon.shm import recv_with_fds, send_with_fds
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,22 @@ class DaemonConnection:
         if frame.flags & _ERROR:
             raise _error_from_reply(decode_body(frame))
         return (decode_body(frame) if frame.body else {}), fds
+
+    def hand_back(self, fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """After a HELLO reply asking for them: send the session's segment ``fds`` (one byte carries them),
+        and return the HELLO reply that follows (and its fds). [Note: hand-back] in daemon.handback."""
+        with self._lock:
+            try:
+                send_with_fds(self._sock, b"\0", fds)
+                frame = self._read_frame(True)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise DaemonNotRunningError(f"the daemon closed the connection ({exc.strerror})") from None
+            got, self._fds = self._fds, []
+        if frame.flags & _ERROR:
+            for fd in got:
+                os.close(fd)
+            raise _error_from_reply(decode_body(frame))
+        return decode_body(frame), got
 
     def _recv(self, spin: bool) -> bytes:
         # [Note: client spin] A small request's reply comes back in ~50 us. Polling for it

@@ -170,6 +170,10 @@ class Handlers:
     @staticmethod
     def _session_row(x: Session) -> dict[str, Any]:
         """One session's status; in a worker thread, as it walks every region."""
+        if x.pending is not None:  # its trainer is to hand its memory back ([Note: hand-back] in daemon.handback)
+            return {"job_id": x.job_id, "rank": x.rank, "uid": x.owner_uid, "state": "waiting for its memory",
+                    "quota_bytes": x.quota_bytes, "stats": {}, "regions_by_tier": {},
+                    "daemon_restarts": x.restarts, "reattached_after_restart": False}
         try:
             stats = stats_to_wire(x.store.stats())
             tiers: dict[str, int] = {}

@@ -76,6 +76,9 @@ class Adoption:
     fds: dict[int, int] = field(default_factory=dict)
     lent: set[int] = field(default_factory=set)
     given: dict[int, list[int]] = field(default_factory=dict)
+    vacant: dict[int, int] = field(default_factory=dict)
+    """Segments its sessions' trainers still map, by index -> memfd inode: not made, until a trainer hands
+    them back (``install``) or its session is given up (``fill``)."""
 
 
 class NodePool:
@@ -100,7 +103,8 @@ class NodePool:
         self.huge, why = resolve_huge_pages(config.huge_pages, self.capacity_bytes, self.segment_bytes)
         if self.huge != "hugetlb":
             avail, source = available_memory_bytes()
-            to_make = self.capacity_bytes - len(adopt.fds if adopt else ()) * self.segment_bytes  # adopted: resident
+            held = len(adopt.fds) + len(adopt.vacant) if adopt else 0  # adopted, or still in trainers: resident
+            to_make = self.capacity_bytes - held * self.segment_bytes
             if to_make > avail:
                 raise ConfigError(f"[pool] capacity_bytes = {self.capacity_bytes} is more than the memory "
                                   f"available at start: {avail} bytes ({source})")
@@ -114,6 +118,8 @@ class NodePool:
         self.lent: dict[int, Any] = {}
         """Adopted segments lent to the predecessor's sessions, until ``take_adopted`` or ``give``."""
         adopt = adopt or Adoption()
+        self.vacant: dict[int, int] = dict(adopt.vacant)
+        """Segments not made: their trainers hold them (see ``Adoption.vacant``), by index -> inode."""
         logger.info("pool: making %d segment(s) of %d bytes (%.1f GiB), huge pages %s (%s)", self.count,
                     self.segment_bytes, self.capacity_bytes / 2**30, self.huge, why)
         t0 = last = time.monotonic()
@@ -131,6 +137,8 @@ class NodePool:
                         self._by_uid.setdefault(given[index], []).append(seg)
                     else:
                         self._fresh.append(seg)
+                    continue
+                if index in self.vacant:
                     continue
                 self._fresh.append(self._make(index))
                 now = time.monotonic()
@@ -213,6 +221,30 @@ class NodePool:
             if missing:
                 raise KeyError(f"segment(s) {missing} were not handed over")
             return [self.lent.pop(i) for i in indices]
+
+    def install(self, index: int, fd: int) -> Any:
+        """A vacant segment handed back by the trainer that maps it (its memfd ``fd``, the inode checked by the
+        caller): this pool's again, lent to that trainer's session (``take_adopted``)."""
+        with self._lock:
+            if index not in self.vacant:
+                raise KeyError(f"segment {index} is not vacant")
+            del self.vacant[index]
+        seg = self._segment_cls.adopt(index, fd, self.segment_bytes)
+        self.segments[index] = seg
+        self._on_made(seg)
+        with self._lock:
+            self.lent[index] = seg
+        return seg
+
+    def fill(self, indices: list[int]) -> None:
+        """Vacant segments no trainer will hand back: made anew, free for anyone."""
+        for index in indices:
+            with self._lock:
+                if self.vacant.pop(index, None) is None:
+                    continue
+            seg = self._make(index)
+            with self._lock:
+                self._fresh.append(seg)
 
     def return_adopted(self, indices: list[int], uid: int) -> None:
         """The adopted segments of a session that was not taken over: zeroed and kept for its uid."""

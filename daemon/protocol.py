@@ -41,7 +41,8 @@ Rules
   of this touches any other session.
 * The HELLO reply carries the session's memfd segments as SCM_RIGHTS ancillary data on
   the frame's first byte (FDS flag set), in the order of its ``segments`` list. No other
-  frame carries fds, and the daemon never accepts fds, addresses or offsets from a client.
+  frame carries fds, and the daemon never accepts addresses or offsets from a client, nor fds but
+  in the one exchange below (a hand-back, which it checks against its journal).
 * A client may pipeline requests; replies to bookkeeping requests come in order, replies
   to waits, FLUSH, FREE and BYE come when they are done (match them by ``request_id``).
 
@@ -52,6 +53,12 @@ HELLO 1          version int, job_id str, rank int, quota_bytes int (0: the daem
                  -> version, session_id, reattached bool, quota_bytes, segments [{index, nbytes}],
                     token str (for the next reattach; see [Note: session ownership] in daemon.sessions),
                     idle_timeout_seconds (0: none) (and the segments' fds, see above)
+                 hand_back int (optional, 4: the client maps that many segments of the session it
+                 reattaches to and can give them back). When the daemon's session waits for them (it
+                 was taken over from a daemon that could not keep its memory), the first reply is
+                 {hand_back: n} and the daemon reads no frame until the client has sent one byte with
+                 the n segments' fds (SCM_RIGHTS), in the session's order; the HELLO reply above follows.
+                 [Note: hand-back] in daemon.handback.
 ALLOCATE 2       name str, nbytes int -> region {name, nbytes, segment_index, offset, tier}
 FREE 3           name -> {}
 MARK_DIRTY 4     name -> {}
@@ -117,9 +124,11 @@ __all__ = [
     "MAX_JSON_DEPTH",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """2: HELLO takes and returns a reattach token; connection-level error frames (request_id 0).
-3: JOB_STEP, an engine's per-step figures for the per-job metrics."""
+3: JOB_STEP, an engine's per-step figures for the per-job metrics.
+4: HELLO's ``hand_back``: a client reattaching after a daemon restart offers the segments it maps, and a
+daemon that lost them asks for them (see [Note: hand-back] in ``daemon.handback``)."""
 MIN_PROTOCOL_VERSION = 2
 """The oldest version a HELLO may name (an older client never sends the newer kinds)."""
 MAX_JSON_DEPTH = 8
@@ -192,7 +201,7 @@ REQUEST_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
 
 # Optional request fields per kind (checked like the required ones when present).
 OPTIONAL_FIELDS: dict[Kind, dict[str, tuple[type, ...]]] = {
-    Kind.HELLO: {"token": (str,)},
+    Kind.HELLO: {"token": (str,), "hand_back": (int,)},
     Kind.JOB_STEP: {"closing": (bool,)},
 }
 
@@ -212,6 +221,7 @@ FIELD_RANGES: dict[str, tuple[float, float]] = {
     "write_bytes": (0, 1 << 53),
     "skipped_steps": (0, 1 << 32),
     "loss_scale": (0, 1e39),
+    "hand_back": (0, 253),
 }
 """Inclusive bounds of numeric request fields, wherever they appear (null stays allowed where typed so)."""
 

@@ -7,7 +7,8 @@ returns the ``BackendAdoption`` to build the backend with, or None. It proves ea
 first: each segment's memfd must be the one the journal names (its inode), the pool must have the same
 shape and the swap paths the same count; what fails is refused with a log line naming it, and the
 sessions that needed it are not taken over (their trainers go back to their checkpoint, as when the
-daemon died before). After the sessions are restored, ``start(backend, sessions)`` writes the first
+daemon died before). A session none of whose segments came back (no fd store) is kept *pending*: its
+trainer may hand them back ([Note: hand-back] in ``daemon.handback``). After the sessions are restored, ``start(backend, sessions)`` writes the first
 generation of this daemon's journal and keeps every segment in the fd store. From then on the session
 table and the stores tell it of each change (``opened``, ``token``, ``closing``, ``region_hook``) and a
 clean stop (``stop``) writes a last generation.
@@ -60,6 +61,8 @@ class StateKeeper:
         self._stored: dict[str, list[int]] = {}
         self._adopted: set[int] = set()
         self._generation = 0
+        self.pending: dict[str, dict[str, Any]] = {}
+        """The predecessor's sessions whose segments are not here: their trainers are to hand them back."""
 
     @property
     def active(self) -> bool:
@@ -115,14 +118,17 @@ class StateKeeper:
                 fd = held[-1]
                 if pool["inodes"].get(index) == os.fstat(fd).st_ino:
                     fds[int(index)] = fd
+        vacant: dict[int, int] = {}
         for sid, s in list(sessions.items()):
             missing = [i for i in s["segments"] if i not in fds]
-            if missing:
-                why = "no fd store" if self.mode == "state_dir" else "not in the fd store, or not the same memfd"
+            if missing and len(missing) == len(s["segments"]):  # [Note: hand-back]: its trainer may have them
+                vacant.update((i, pool["inodes"][str(i)]) for i in missing)
+                self.pending[sid] = sessions.pop(sid)
+            elif missing:
                 self._refuse(f"job {s['job_id']!r} rank {s['rank']} (uid {s['uid']}): its host memory is gone "
-                             f"(segment(s) {missing[:8]}: {why})")
+                             f"(segment(s) {missing[:8]}: not in the fd store, or not the same memfd)")
                 del sessions[sid]
-        if not sessions:
+        if not sessions and not self.pending:
             return None
         self.previous = state
         self._adopted = set(fds)
@@ -133,7 +139,7 @@ class StateKeeper:
             for fd in set(held) - set(keep):
                 os.close(fd)
             self._stored[name] = keep
-        return BackendAdoption(list(swap["dirs"]), list(swap["files"]), Adoption(fds, lent, given))
+        return BackendAdoption(list(swap["dirs"]), list(swap["files"]), Adoption(fds, lent, given, vacant))
 
     def _journal_fds(self) -> set[int]:
         return {fd for name, held in self._stored.items() if name.startswith(JOURNAL_FDNAME + "-") for fd in held}
@@ -148,8 +154,9 @@ class StateKeeper:
     def refuse_all(self, why: str) -> None:
         """The backend could not take over the predecessor's swap files or segments: start afresh."""
         if self.previous is not None:
-            self._refuse(f"all {len(self.previous['sessions'])} session(s): {why}", len(self.previous["sessions"]))
-        self.previous = None
+            count = len(self.previous["sessions"]) + len(self.pending)
+            self._refuse(f"all {count} session(s): {why}", count)
+        self.previous, self.pending = None, {}
         self._close_stored()
 
     def start(self, backend: Any, session_rows: dict[str, dict[str, Any]], next_session_id: int) -> None:

@@ -245,9 +245,10 @@ class DaemonServer:
             previous = keeper.previous
             if previous is not None:
                 self.keeper.refused_sessions += await self.sessions.restore(previous["sessions"])
+                self.keeper.refused_sessions += await self.sessions.restore_pending(keeper.pending)
                 self.sessions.next_session_id = max(self.sessions.next_session_id, previous["next_session_id"])
                 self.sessions.restart_ids()
-                self.metrics.sessions_adopted.inc(len(previous["sessions"]))
+                self.metrics.sessions_adopted.inc(len(previous["sessions"]) + len(keeper.pending))
             self.metrics.sessions_refused.inc(keeper.refused_sessions)
             await self._run_admin(keeper.start, self.backend, self.sessions.rows(), self.sessions.next_session_id)
         self.handlers = Handlers(self.sessions, self.scheduler, self.backend, self.metrics, config.sessions,

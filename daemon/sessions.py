@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from csrc.errors import QuotaExceededError, SessionError
 from daemon.backend import StoreBackend
 from daemon.config import PoolConfig, SessionConfig
+from daemon.handback import HandBackNeeded, take_hand_back
 from daemon.scheduler import FairScheduler
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class Session:
     """Daemon restarts this session went through (0: opened by this daemon)."""
     reattached_after_restart: bool = False
     """An adopted session its trainer has reattached since."""
+    pending: dict | None = None
+    """The journal's row of a session whose segments its trainer is to hand back (store None until then):
+    [Note: hand-back] in ``daemon.handback``."""
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -214,6 +218,8 @@ class SessionTable:
                              (existing.previous_token and secrets.compare_digest(token, existing.previous_token))):
             raise SessionError(f"job {existing.job_id!r} rank {existing.rank} is detached and kept for its "
                                f"owner: a reattach needs the token of its last HELLO reply")
+        if existing.pending is not None:
+            raise HandBackNeeded(existing)  # its memory first ([Note: hand-back])
         if existing.reclaim_timer is not None:
             existing.reclaim_timer.cancel()
             existing.reclaim_timer = None
@@ -309,7 +315,6 @@ class SessionTable:
         refused = 0
         for sid in sorted(rows, key=int):
             row = rows[sid]
-            key = (row["uid"], row["job_id"], row["rank"])
             hook = self._keeper.region_hook(int(sid)) if self._keeper is not None else None
             try:
                 opened = await self._run(self._backend.open_store, row["quota_bytes"], row["uid"], hook,
@@ -336,18 +341,66 @@ class SessionTable:
                               regions=len(row["regions"]), previous_token=row.get("previous_token", ""),
                               adopted=True, restarts=int(row.get("restarts", 0)) + 1)
             row["restarts"] = session.restarts
-            self._sessions[key] = session
-            self._per_uid[session.owner_uid] += 1
-            self.used_bytes += session.quota_bytes
-            self.attached += 1
-            self.detach(session)  # kept for the grace period, as after a lost connection
+            self._add_adopted(session)
             logger.info("took over job %s rank %d (uid %d, session %d, %d region(s)) from the previous daemon",
                         session.job_id, session.rank, session.owner_uid, session.session_id, session.regions)
-        ids = [int(sid) for sid in rows]
-        if ids:
-            self._ids = itertools.count(max(ids) + 1)
-            self.next_session_id = max(ids) + 1
         return refused
+
+    @property
+    def backend(self) -> StoreBackend:
+        return self._backend
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        """``fn(*args)`` off the event loop (it may fault memory or wait on I/O)."""
+        return self._run(fn, *args)
+
+    def region_hook(self, session_id: int) -> Callable[[str, dict | None], None] | None:
+        return self._keeper.region_hook(session_id) if self._keeper is not None else None
+
+    async def restore_pending(self, rows: dict[str, dict[str, Any]]) -> int:
+        """Keep the previous daemon's sessions whose trainers are to hand their segments back ([Note:
+        hand-back]): their swap extents held, each detached for the grace period. Returns how many were
+        refused (their extents could not be held)."""
+        refused = 0
+        for sid in sorted(rows, key=int):
+            row = rows[sid]
+            try:
+                await self._run(self._backend.reserve_extents, row["regions"])
+            except Exception as exc:
+                logger.warning("not taken over from the previous daemon: job %r rank %d (uid %d): %s",
+                               row["job_id"], row["rank"], row["uid"], exc)
+                await self._run(self._backend.fill, row["segments"])
+                del rows[sid]
+                refused += 1
+                continue
+
+            def closer(row: dict = row) -> None:  # never handed back: the extents go, the segments are made anew
+                self._backend.release_extents(row["regions"])
+                self._backend.fill(row["segments"])
+
+            session = Session(int(sid), row["job_id"], row["rank"], row["uid"], row["token"], row["quota_bytes"],
+                              None, [], closer, regions=len(row["regions"]),
+                              previous_token=row.get("previous_token", ""), adopted=True,
+                              restarts=int(row.get("restarts", 0)) + 1, pending=row)
+            row["restarts"] = session.restarts
+            self._add_adopted(session)
+            logger.info("kept job %s rank %d (uid %d, session %d, %d region(s)) for its trainer to hand its "
+                        "%d segment(s) back", session.job_id, session.rank, session.owner_uid, session.session_id,
+                        session.regions, len(row["segments"]))
+        return refused
+
+    def _add_adopted(self, session: Session) -> None:
+        self._sessions[session.key] = session
+        self._per_uid[session.owner_uid] += 1
+        self.used_bytes += session.quota_bytes
+        self.attached += 1
+        self.detach(session)  # kept for the grace period, as after a lost connection
+        self.next_session_id = max(self.next_session_id, session.session_id + 1)
+        self._ids = itertools.count(self.next_session_id)
+
+    async def take_hand_back(self, session: Session, fds: list[int]) -> None:
+        """The segments of a pending session, from its trainer: checked, mapped, its store restored."""
+        await take_hand_back(self, session, fds)
 
     def restart_ids(self) -> None:
         """Number new sessions from ``next_session_id`` on (after a takeover: none reuses an old id)."""
@@ -357,7 +410,9 @@ class SessionTable:
         """Every session as the journal's base keeps it."""
         return {str(s.session_id): {"uid": s.owner_uid, "job_id": s.job_id, "rank": s.rank, "token": s.token,
                                     "previous_token": s.previous_token, "quota_bytes": s.quota_bytes,
-                                    "segments": [seg.index for seg in s.segments], "regions": s.store.durable(),
+                                    "segments": [seg.index for seg in s.segments] if s.pending is None
+                                    else list(s.pending["segments"]),
+                                    "regions": s.store.durable() if s.pending is None else s.pending["regions"],
                                     "restarts": s.restarts}
                 for s in self._sessions.values()}
 

@@ -27,7 +27,8 @@ Passing
 -------
 The HELLO reply frame carries the segment fds as one SCM_RIGHTS message (at most
 ``MAX_FDS_PER_MESSAGE``), in the order of the reply's ``segments`` list. The client
-maps each with ``MAP_SHARED | MAP_POPULATE`` and closes its fd copy.
+maps each with ``MAP_SHARED | MAP_POPULATE`` and keeps its fd copy until it closes, to hand
+it back to a daemon restarted without it ([Note: hand-back] in ``daemon.handback``).
 """
 from __future__ import annotations
 
@@ -118,12 +119,20 @@ class SegmentMap:
         self._anchors: list[ctypes.c_char] = []  # buffer exports behind ranges()' addresses
         self.inodes = [os.fstat(fd).st_ino for fd in fds]
         """Each segment's memfd inode: a reattach after a daemon restart checks it got the same memory."""
+        self.fds = list(fds)
+        """The segments' memfds, kept open: a daemon restarted without them gets them back ([Note: hand-back]
+        in daemon.handback)."""
         try:
             for fd, nbytes in zip(fds, sizes):
                 self._maps.append(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE))
-        finally:
-            for fd in fds:
-                os.close(fd)
+        except BaseException:
+            self._close_fds()
+            raise
+
+    def _close_fds(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -144,6 +153,7 @@ class SegmentMap:
         return [(ctypes.addressof(a), len(m)) for a, m in zip(self._anchors, self._maps)]
 
     def close(self) -> None:
+        self._close_fds()
         self._anchors = []  # the address exports must go before the mappings can close
         for m in self._maps:
             try:

@@ -22,9 +22,14 @@ from tests.daemon.fd_store import FdStore
 class RestartableDaemon:
     """One daemon config, started again and again; ``proc`` is the running one."""
 
-    def __init__(self, fd_store: bool = True, **tables: dict) -> None:
+    def __init__(self, fd_store: bool = True, keep: str | None = None, **tables: dict) -> None:
+        """``keep``: ``[server] keep_state`` ("fd_store", "state_dir": in the work directory, "off"); None:
+        "fd_store" or "off" as ``fd_store`` says."""
         self.workdir = tempfile.mkdtemp(prefix="ofl-r-", dir="/tmp")  # short: AF_UNIX paths are <= 107 bytes
-        server = {"keep_state": "fd_store" if fd_store else "off", **tables.pop("server", {})}
+        keep = keep or ("fd_store" if fd_store else "off")
+        server = {"keep_state": keep, **tables.pop("server", {})}
+        if keep == "state_dir":
+            server.setdefault("state_dir", os.path.join(self.workdir, "state"))
         self.config = write_config(self.workdir, server=server, **tables)
         self.socket_path = os.path.join(self.workdir, "d.sock")
         self.log_path = os.path.join(self.workdir, "daemon.log")

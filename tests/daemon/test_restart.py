@@ -31,12 +31,12 @@ MiB = 1 << 20
 def restartable(request):
     made = []
 
-    def make(fd_store: bool = True, slow: bool = False, **tables) -> RestartableDaemon:
+    def make(fd_store: bool = True, slow: bool = False, keep: str | None = None, **tables) -> RestartableDaemon:
         tables.setdefault("pool", {"capacity_bytes": 64 * MiB, "segment_bytes": 4 * MiB})
         tables.setdefault("sessions", {"default_quota_bytes": 16 * MiB, "reattach_grace_seconds": 30.0})
         if slow:
             tables["io"] = {"kind": "threads", "block_size_bytes": 4096, "queue_depth": 1, "num_threads": 1}
-        d = RestartableDaemon(fd_store=fd_store, **tables)
+        d = RestartableDaemon(fd_store=fd_store, keep=keep, **tables)
         made.append(d)
         return d.start()
 
@@ -157,17 +157,13 @@ def test_a_write_killed_in_flight_is_written_again_from_the_host_copy(restartabl
     c.close()
 
 
-@pytest.mark.parametrize("keep", ["off", "state_dir"])
-def test_without_kept_memory_the_client_is_told_to_go_back_to_its_checkpoint(restartable, keep, tmp_path):
-    """keep_state "off": the stop ends every session. "state_dir": the journal is kept in the state directory
-    but the segments die with the daemon, so the next start refuses the session, saying why."""
-    d = restartable(fd_store=False, server={"keep_state": keep, "state_dir": str(tmp_path / "state")})
+def test_without_kept_state_the_client_is_told_to_go_back_to_its_checkpoint(restartable):
+    """keep_state "off": a stop ends every session, as before."""
+    d = restartable(keep="off")
     c = _client(d, "gone", reconnect=20)
     _fill(c, "x", MiB)
     d.term()
     d.start()
-    if keep == "state_dir":
-        assert "its host memory is gone (segment(s) [" in d.log() and "no fd store" in d.log()
     with pytest.raises(DaemonNotRunningError, match="came back without session .* go back to the last checkpoint"):
         c.info("x")
     assert d.status()["sessions"] == []  # the fresh session the reattach opened was closed again
@@ -264,3 +260,86 @@ def test_a_session_that_cannot_be_restored_is_refused_and_the_others_taken_over(
     others = [_client(d, f"new{i}") for i in range(3)]  # 3 x 16 MiB: only with the refused session's back
     for c in [good, *others]:
         c.close()
+
+
+# -- [Note: hand-back]: no fd store, the trainers give their memory back ---------------------------------
+@pytest.mark.parametrize("stop", ["kill", "term"])
+def test_trainers_hand_their_memory_back_to_a_daemon_without_an_fd_store(restartable, stop):
+    d = restartable(keep="state_dir")
+    a, b = _client(d, "alpha"), _client(d, "beta", rank=2)
+    data = {"host": _fill(a, "host", MiB), "nvme": _fill(a, "nvme", 3 * MiB), "other": _fill(b, "other", 2 * MiB)}
+    a.wait_for_evict(a.evict(["nvme"]))
+    fetching = a.prefetch(["nvme"])  # not waited for across the restart
+    view = a.host_view("host")
+    d.kill() if stop == "kill" else d.term()
+    d.start()
+    assert "kept job alpha rank 0" in d.log() and "for its trainer to hand its 1 segment(s) back" in d.log() \
+        or "segment(s) back" in d.log()
+    a.wait_for_prefetch(fetching)
+    assert bytes(a.host_view("nvme")) == data["nvme"] and bytes(view) == data["host"]
+    assert b.info("other").tier.name == "HOST" and bytes(b.host_view("other")) == data["other"]
+    assert "alpha rank 0 handed its" in d.log() and "beta rank 2 handed its" in d.log()
+    assert a.reconnects == 1 and b.reconnects == 1
+    a.mark_dirty("host")
+    a.wait_for_evict(a.evict(["host"]))  # the journal goes on: a second restart finds this too
+    d.kill()
+    d.start()
+    a.wait_for_prefetch(a.prefetch(["host"]))
+    assert bytes(a.host_view("host")) == data["host"]
+    rows = {r["job_id"]: r for r in d.status()["sessions"]}
+    assert rows["alpha"]["daemon_restarts"] == 2
+    a.close()
+    b.close()
+
+
+def test_a_hand_back_of_other_memory_is_refused(restartable):
+    d = restartable(keep="state_dir")
+    c = _client(d, "imposter", reconnect=20)
+    _fill(c, "x", MiB)
+    other = os.memfd_create("other")
+    os.ftruncate(other, os.fstat(c._segments.fds[0]).st_size)
+    os.close(c._segments.fds[0])
+    c._segments.fds[0] = other  # what it would hand back is not the session's memory
+    d.kill()
+    d.start()
+    with pytest.raises(DaemonNotRunningError, match="not the memory the journal names.*go back to the last checkpoint"):
+        c.info("x")
+    assert "the segments handed back are not the memory the journal names" in d.log()
+    assert d.status()["sessions"] == []
+    c.detach()
+
+
+def test_a_pending_session_nobody_claims_gives_its_memory_back(restartable):
+    """Its trainer gone too: after the grace period the session is reclaimed and the pool is whole again."""
+    d = restartable(keep="state_dir", sessions={"default_quota_bytes": 16 * MiB, "reattach_grace_seconds": 1.0})
+    c = _client(d, "orphan", reconnect=20)
+    _fill(c, "x", MiB)
+    c.wait_for_evict(c.evict(["x"]))
+    d.kill()
+    c.detach()  # the trainer dies too: nobody will hand the memory back
+    d.start()
+    status = d.status()
+    assert status["sessions"][0]["state"] == "waiting for its memory"
+    assert status["swap"]["used_bytes"] == MiB  # its extents are held for it meanwhile
+    deadline = time.monotonic() + 20
+    while d.status()["sessions"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert d.status()["swap"]["used_bytes"] == 0  # the held extents went
+    clients = [_client(d, f"new{i}") for i in range(4)]  # 4 x 16 MiB: the whole pool, made anew where vacant
+    for x in clients:
+        x.close()
+
+
+def test_a_new_process_of_a_pending_session_gets_a_fresh_one(restartable):
+    """A trainer process restarted too (it does not hold the memory) gets a new session, as before."""
+    d = restartable(keep="state_dir")
+    c = _client(d, "restarted")
+    _fill(c, "x", MiB)
+    d.kill()
+    c.detach()
+    d.start()
+    fresh = _client(d, "restarted")  # the same job and rank, its token from the token file
+    assert not fresh.reattached
+    assert "the session is dropped and a new one opened" in d.log()
+    fresh.close()

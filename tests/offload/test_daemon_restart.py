@@ -107,3 +107,22 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path, tmp_path_factory, r
     plan = [(step, "kill", rng.uniform(0.0, 0.15)) for step in sorted(rng.sample(range(3, STEPS - 3), 3))]
     code, err, restarts = _train_through_restarts(tmp_path, restartable, plan, STAGE=stage, **env)
     _finished_alike(code, err, ref, tmp_path, restartable, restarts, 3)
+
+
+@pytest.mark.parametrize("stage,env", [(2, {}), (3, {"PARAM_DEVICE": "cpu"})], ids=["stage2-nvme", "stage3-params-cpu"])
+def test_without_an_fd_store_the_trainers_hand_their_memory_back(tmp_path, tmp_path_factory, stage, env):
+    """``[server] keep_state = "state_dir"`` (no systemd): the journal in the state directory, the segments
+    handed back by the trainers that map them ([Note: hand-back] in daemon.handback); killed twice and
+    stopped once a run."""
+    d = RestartableDaemon(keep="state_dir", pool={"capacity_bytes": 64 << 20, "segment_bytes": 4 << 20},
+                          sessions={"default_quota_bytes": 8 << 20, "reattach_grace_seconds": 60.0}).start()
+    try:
+        ref = _reference(tmp_path_factory, stage, **env)
+        rng = random.Random(stage)
+        steps = sorted(rng.sample(range(3, STEPS - 8), 3))
+        plan = [(steps[0], "kill", rng.uniform(0, 0.15)), (steps[1], "term", 0.0), (steps[2], "kill", rng.uniform(0, 0.15))]
+        code, err, restarts = _train_through_restarts(tmp_path, d, plan, STAGE=stage, **env)
+        _finished_alike(code, err, ref, tmp_path, d, restarts, 0)
+        assert d.log().count("handed its") >= 2 * 2  # each rank's session(s), at each start it was still training
+    finally:
+        d.close()
