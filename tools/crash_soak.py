@@ -16,6 +16,7 @@ restarts, so each run passes only when the same trainer processes went on, bit-e
 
 Usage: python tools/crash_soak.py [--runs 20] [--stage 2] [--device nvme] [--width 60000]
        [--sub-group 200000] [--span S] [--seed 1] [--victim rank|daemon] [--param-device cpu]
+       [--keep fd_store|state_dir]
 The run's stderr is kept in a directory per run under --workdir (default: a new one in /tmp).
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _daemon_killed_run(args, ref: str, run: str, i: int, delay: float) -> bool:
     """One run whose daemon is SIGKILLed ``delay`` s after rank 0's second loss line and started again."""
     from tests.daemon.restarts import RestartableDaemon
 
-    daemon = RestartableDaemon(pool={"capacity_bytes": 256 << 20, "segment_bytes": 16 << 20},
+    daemon = RestartableDaemon(keep=args.keep, pool={"capacity_bytes": 256 << 20, "segment_bytes": 16 << 20},
                                sessions={"default_quota_bytes": 64 << 20, "reattach_grace_seconds": 60.0}).start()
     try:
         proc = _launch(args, run, daemon.socket_path, 0)
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--victim", default="rank", choices=("rank", "daemon"))
     ap.add_argument("--param-device", default=None, choices=("cpu", "nvme"), help="stage 3: offload_param too")
+    ap.add_argument("--keep", default="fd_store", choices=("fd_store", "state_dir"),
+                    help="--victim daemon: [server] keep_state (state_dir: the trainers hand their memory back)")
     args = ap.parse_args(argv)
     base = args.workdir or tempfile.mkdtemp(prefix="crash-soak-")
     ref = os.path.join(base, "reference")
