@@ -10,7 +10,9 @@ cycle), ``admission`` (connection caps, fd limit), ``notify`` (systemd's READY=1
 ``control`` (the blocking control connection and ``daemon_status``), ``client`` and
 ``tokens`` (TierClient and its reattach tokens), ``config`` (TOML), ``backend`` (the swap
 objects the daemon serves), ``pool`` (the node pool, made once and recycled), ``files``
-(swap files under a lock, swept after a crash, through aiofiles).
+(swap files under a lock, swept after a crash, through aiofiles), ``journal`` (the bookkeeping kept
+for a successor), ``restart`` (what a start takes over from its predecessor, through systemd's fd
+store), ``handback`` (sessions whose trainers give their memory back to a restarted daemon).
 """
 # Names load on first use: `offload status` needs only the client and the protocol, not the server's
 # metrics and swap layer (a third of a second of imports on a loaded node).
