@@ -214,7 +214,7 @@ class TierClient:
         while True:  # [Note: reconnect after a daemon restart]
             with self._reconnecting:
                 if self._conn is conn:  # not yet reconnected by another thread that lost it too
-                    self._reconnect(lost_at)
+                    self._reconnect(lost_at, closing=kind is Kind.BYE)
                 conn = self._conn
             try:
                 return self._again(kind, body, wait_seconds)
@@ -238,7 +238,8 @@ class TierClient:
             return {}
         return conn.request(kind, body, wait_seconds)[0]
 
-    def _reconnect(self, lost_at: float, why: str = "lost the daemon", seconds: float | None = None) -> None:
+    def _reconnect(self, lost_at: float, why: str = "lost the daemon", seconds: float | None = None,
+                   closing: bool = False) -> None:
         """Reattach the session after a lost connection, within reconnect_seconds; the transfers not
         waited for issued again. ``DaemonNotRunningError`` when the daemon does not come back with it."""
         config = self.config
@@ -279,6 +280,9 @@ class TierClient:
                 conn.request(Kind.BYE, wait_seconds=None)  # the fresh session it opened is not wanted
             finally:
                 conn.close()
+            if closing:  # the lost daemon had done the BYE (journaled) before it died: the session is closed
+                logger.info("session %d was closed by the daemon before it restarted", self.session_id)
+                return
             raise DaemonNotRunningError(
                 f"the daemon on {config.socket_path} came back without session {self.session_id} of job "
                 f"{config.job_id!r} rank {config.rank} (it kept no state, or could not take this session over: "

@@ -18,6 +18,7 @@ from daemon.config import PoolConfig, SessionConfig
 from daemon.sessions import Session, SessionState, SessionTable
 from offload.cli.main import format_status
 from daemon.journal import encode_record, read_records, state_of
+from daemon.protocol import Kind
 from tests.daemon.conftest import STORE
 from tests.daemon.prom import scrape
 from tests.daemon.restarts import RestartableDaemon
@@ -343,3 +344,24 @@ def test_a_new_process_of_a_pending_session_gets_a_fresh_one(restartable):
     assert not fresh.reattached
     assert "the session is dropped and a new one opened" in d.log()
     fresh.close()
+
+
+def test_a_bye_done_by_the_lost_daemon_is_done(restartable):
+    """Killed after it closed the session (and journaled that) but before its reply left: the client's close
+    finds the session gone, which is what it asked for, and does not fail (a torchrun run met this)."""
+    d = restartable()
+    c = _client(d, "closing")
+    _fill(c, "x", MiB)
+    conn, real = c._conn, c._conn.request
+
+    def reply_lost(kind, body=None, wait_seconds=0.0):
+        result = real(kind, body, wait_seconds)
+        if kind is Kind.BYE:
+            d.kill()
+            d.start()
+            raise DaemonNotRunningError("the daemon closed the connection")
+        return result
+
+    conn.request = reply_lost
+    c.close()
+    assert d.status()["sessions"] == []
