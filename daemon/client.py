@@ -241,12 +241,57 @@ class TierClient:
     def _reconnect(self, lost_at: float, why: str = "lost the daemon", seconds: float | None = None,
                    closing: bool = False) -> None:
         """Reattach the session after a lost connection, within reconnect_seconds; the transfers not
-        waited for issued again. ``DaemonNotRunningError`` when the daemon does not come back with it."""
+        waited for issued again (a daemon lost again meanwhile is looked for again, within the same time).
+        ``DaemonNotRunningError`` when the daemon does not come back with it; with ``closing`` (a BYE was
+        lost), a daemon that comes back without it had done the BYE, and that is no error."""
         config = self.config
         self._conn.close()
         seconds = config.reconnect_seconds if seconds is None else seconds
         deadline = lost_at + seconds
         logger.warning("%s on %s; reconnecting for up to %.0f s", why, config.socket_path, seconds)
+        while True:
+            conn, reply, fds = self._hello_again(deadline, seconds)
+            inodes = [os.fstat(fd).st_ino for fd in fds]
+            for fd in fds:
+                os.close(fd)
+            if not (reply["reattached"] and reply["session_id"] == self.session_id and inodes == self._segments.inodes):
+                self._session_kept = False
+                try:
+                    conn.request(Kind.BYE, wait_seconds=None)  # the fresh session it opened is not wanted
+                finally:
+                    conn.close()
+                if closing:  # the lost daemon had done the BYE (journaled) before it died: the session is closed
+                    logger.info("session %d was closed by the daemon before it restarted", self.session_id)
+                    return
+                raise DaemonNotRunningError(
+                    f"the daemon on {config.socket_path} came back without session {self.session_id} of job "
+                    f"{config.job_id!r} rank {config.rank} (it kept no state, or could not take this session "
+                    "over: see its log): its host memory and regions are gone; go back to the last checkpoint")
+            self._token_file.write(reply.get("token", ""))
+            pending = sorted(self._pending.values(), key=lambda h: h.number)  # in the order they were issued
+            try:
+                numbers = [conn.request(Kind.PREFETCH if h.kind == "prefetch" else Kind.EVICT,
+                                        {"names": h.names})[0]["handle"] for h in pending]
+            except DaemonNotRunningError:  # lost again (stopped again) before they were all issued: once more
+                conn.close()
+                logger.warning("lost the daemon on %s again while reattaching", config.socket_path)
+                continue
+            break
+        self._conn = conn
+        self._pending = {}
+        for handle, number in zip(pending, numbers):
+            handle.number = number
+            self._pending[number] = handle
+        self._stale.update(self._regions)  # host placements are asked again
+        seconds = time.monotonic() - lost_at
+        self.reconnects += 1
+        self.reconnect_seconds_total += seconds
+        logger.warning("reattached session %d after %.2f s without the daemon; %d transfer(s) issued again",
+                       self.session_id, seconds, len(self._pending))
+
+    def _hello_again(self, deadline: float, seconds: float) -> tuple[DaemonConnection, dict[str, Any], list[int]]:
+        """A HELLO with the session's token, the segments handed back when asked, retried until ``deadline``."""
+        config = self.config
         body = {"version": PROTOCOL_VERSION, "job_id": config.job_id, "rank": config.rank,
                 "quota_bytes": config.quota_bytes, "token": self._token_file.read() or config.reattach_token,
                 "hand_back": len(self._segments.fds)}
@@ -258,7 +303,7 @@ class TierClient:
                 reply, fds = conn.request(Kind.HELLO, body)
                 if "hand_back" in reply:  # a daemon restarted without our memory asks for it
                     reply, fds = conn.hand_back(self._segments.fds)
-                break
+                return conn, reply, fds
             except (OffloadError, OSError) as exc:
                 if conn is not None:
                     conn.close()
@@ -270,36 +315,6 @@ class TierClient:
                         f"{seconds:.0f} s ({exc}): go back to the last checkpoint") from None
                 time.sleep(pause)
                 pause = min(0.1, pause * 2)  # a failed connect costs little: find the new daemon soon
-        inodes = [os.fstat(fd).st_ino for fd in fds]
-        for fd in fds:
-            os.close(fd)
-        same = reply["reattached"] and reply["session_id"] == self.session_id and inodes == self._segments.inodes
-        if not same:
-            self._session_kept = False
-            try:
-                conn.request(Kind.BYE, wait_seconds=None)  # the fresh session it opened is not wanted
-            finally:
-                conn.close()
-            if closing:  # the lost daemon had done the BYE (journaled) before it died: the session is closed
-                logger.info("session %d was closed by the daemon before it restarted", self.session_id)
-                return
-            raise DaemonNotRunningError(
-                f"the daemon on {config.socket_path} came back without session {self.session_id} of job "
-                f"{config.job_id!r} rank {config.rank} (it kept no state, or could not take this session over: "
-                "see its log): its host memory and regions are gone; go back to the last checkpoint")
-        self._token_file.write(reply.get("token", ""))
-        self._conn = conn
-        pending, self._pending = sorted(self._pending.values(), key=lambda h: h.number), {}
-        for handle in pending:  # in the order they were issued
-            kind = Kind.PREFETCH if handle.kind == "prefetch" else Kind.EVICT
-            handle.number = conn.request(kind, {"names": handle.names})[0]["handle"]
-            self._pending[handle.number] = handle
-        self._stale.update(self._regions)  # host placements are asked again
-        seconds = time.monotonic() - lost_at
-        self.reconnects += 1
-        self.reconnect_seconds_total += seconds
-        logger.warning("reattached session %d after %.2f s without the daemon; %d transfer(s) issued again",
-                       self.session_id, seconds, len(self._pending))
 
     def _reattach_after_idle(self) -> None:
         """The daemon closed the idle connection: reattach to the session (same segments, still mapped), as

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from csrc.errors import DaemonNotRunningError, SessionError
-from daemon.client import TierClient, TierClientConfig
+from daemon.client import DaemonConnection, TierClient, TierClientConfig
 from daemon.config import PoolConfig, SessionConfig
 from daemon.sessions import Session, SessionState, SessionTable
 from offload.cli.main import format_status
@@ -365,3 +365,29 @@ def test_a_bye_done_by_the_lost_daemon_is_done(restartable):
     conn.request = reply_lost
     c.close()
     assert d.status()["sessions"] == []
+
+
+def test_a_daemon_lost_again_while_reattaching_is_looked_for_again(restartable, monkeypatch):
+    """Stopped again right after the reattach, before the transfers were issued again (a torchrun run met a
+    SIGTERM there under load): the client looks for the next daemon within the same reconnect time."""
+    d = restartable()
+    c = _client(d, "twice")
+    data = _fill(c, "x", MiB)
+    c.wait_for_evict(c.evict(["x"]))
+    handle = c.prefetch(["x"])
+    d.kill()
+    d.start()
+    real, hits = DaemonConnection.request, []
+
+    def refused_once(self, kind, body=None, wait_seconds=0.0):
+        if kind is Kind.PREFETCH and not hits:  # the first transfer issued again meets a daemon going down
+            hits.append(kind)
+            d.kill()
+            d.start()
+            raise DaemonNotRunningError("the daemon is shutting down and takes no new I/O")
+        return real(self, kind, body, wait_seconds)
+
+    monkeypatch.setattr(DaemonConnection, "request", refused_once)
+    c.wait_for_prefetch(handle)
+    assert hits and bytes(c.host_view("x")) == data and c.reconnects == 1
+    c.close()

@@ -76,7 +76,8 @@ def _train_through_restarts(workdir, d: RestartableDaemon, plan: list[tuple[int,
 
 
 def _finished_alike(code, err, ref, workdir, d, restarts, count):
-    assert code == 0, err[-5000:] + "\n--- daemon ---\n" + d.log()[-4000:]
+    errors = "\n".join(line for line in err.splitlines() if "Error" in line or "error" in line)
+    assert code == 0, errors[-6000:] + "\n--- daemon ---\n" + d.log()[-6000:]
     pauses = [float(x) for x in REATTACHED.findall(err)]
     assert pauses, err[-3000:]  # the ranks reattached, and said after how long
     assert "Traceback" not in d.log()
