@@ -269,7 +269,6 @@ class Journal:
         self._end = 0
         self._base_bytes = 0
         self.records_total = 0
-        self.generations_total = 0
         self.seconds_total = 0.0
         """Time spent in ``append`` (encoding, checksum, write, new generations), for the metrics."""
         with self._lock:
@@ -279,7 +278,6 @@ class Journal:
         data = encode_record(0, {"op": "base", "state": self.state})
         self._sink.start_generation(data)
         self._seq, self._end, self._base_bytes = 1, len(data), len(data)
-        self.generations_total += 1
 
     def append(self, record: dict[str, Any]) -> None:
         with self._lock:
@@ -298,10 +296,6 @@ class Journal:
         """Start a new generation now (a clean stop writes one, so its successor reads one record)."""
         with self._lock:
             self._new_generation()
-
-    def copy_state(self) -> dict[str, Any]:
-        with self._lock:
-            return copy.deepcopy(self.state)
 
     def close(self) -> None:
         with self._lock:

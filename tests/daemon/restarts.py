@@ -10,17 +10,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from csrc.errors import DaemonNotRunningError
-from daemon.client import daemon_status
 from tests import child_pythonpath
 from tests.daemon.conftest import REPO, DaemonProcess, write_config
 from tests.daemon.fd_store import FdStore
 
 
-class RestartableDaemon:
-    """One daemon config, started again and again; ``proc`` is the running one."""
+class RestartableDaemon(DaemonProcess):
+    """One daemon config, started again and again; ``proc`` is the running one (``status``, ``metrics_port``
+    and ``log`` are ``DaemonProcess``'s)."""
 
     def __init__(self, fd_store: bool = True, keep: str | None = None, **tables: dict) -> None:
         """``keep``: ``[server] keep_state`` ("fd_store", "state_dir": in the work directory, "off"); None:
@@ -35,14 +34,12 @@ class RestartableDaemon:
         self.log_path = os.path.join(self.workdir, "daemon.log")
         self.store = FdStore(self.workdir)
         self.proc: subprocess.Popen | None = None
-        self.starts = 0
 
     def start(self, timeout_seconds: float = 60.0) -> "RestartableDaemon":
         env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), **self.store.env()}
         with open(self.log_path, "ab") as log:
             self.proc = self.store.spawn([sys.executable, "-m", "offload.cli", "daemon", "--config", self.config],
                                          env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        self.starts += 1
         deadline = time.monotonic() + timeout_seconds
         while True:
             try:
@@ -53,16 +50,6 @@ class RestartableDaemon:
                     raise RuntimeError(f"daemon did not start:\n{self.log()}") from None
                 time.sleep(0.02)
 
-    def status(self) -> dict:
-        return daemon_status(self.socket_path, timeout_seconds=10.0)
-
-    @property
-    def metrics_port(self) -> int:
-        return int(self.status()["metrics_address"].rpartition(":")[2])
-
-    def log(self) -> str:
-        return Path(self.log_path).read_text()
-
     def kill(self) -> None:
         """SIGKILL: the daemon dies wherever it is."""
         self.proc.send_signal(signal.SIGKILL)
@@ -72,9 +59,6 @@ class RestartableDaemon:
         """SIGTERM, as ``systemctl restart`` stops it: drained, journaled, exits."""
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout_seconds)
-
-    def as_process(self) -> DaemonProcess:
-        return DaemonProcess(self.proc, self.socket_path, self.workdir, self.log_path)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
