@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 # verify of the daemon's unit).
 APT_PACKAGES=(fio prometheus systemd)
 STAMP_FILE=.venv/.setup-stamp
+DS_VERSION=0.19.8
+DS_SITE=.venv/ds-site
 
 stamp() {
   {
@@ -76,5 +78,12 @@ pip_install torch==2.13.0
 echo "setup: installing this project in place and compiling its C (cffi, gcc)"
 # triton: the batched copy kernel's tests run under its interpreter; hf: the Hugging Face models' tests
 pip_install -e '.[test,triton,hf,lightning]'
+# The peer the step benches measure ours against: DeepSpeed in a directory of its own (.venv/ds-site), put on
+# PYTHONPATH only by what runs it (tools/bench/step_deepspeed.py's callers, its test), never imported by this
+# project: Accelerate and transformers change course when they find it importable. Its JIT CPU Adam builds
+# on first use (ninja, from the same directory's bin/, and gcc).
+echo "setup: installing DeepSpeed ${DS_VERSION} for the step benches' peer rows into $DS_SITE"
+pip_install --target "$DS_SITE" --upgrade --no-deps --no-build-isolation "deepspeed==$DS_VERSION" hjson==3.1.0 \
+  py-cpuinfo==9.0.0 msgpack==1.2.4 einops==0.8.2 ninja==1.13.2
 stamp >"$STAMP_FILE"
 echo "setup: done. \`source .venv/bin/activate\` puts the offload command on PATH (or run .venv/bin/offload)"

@@ -16,6 +16,13 @@ batches; one rank):
   opt-cpu-lean   opt-cpu-int8 with data_types.grad_accum_dtype "bf16" (2-byte host gradient accumulators)
   s3-param-cpu   ZeRO stage 3, offload_param cpu, offload_optimizer cpu
   s3-param-nvme  ZeRO stage 3, offload_param nvme, offload_optimizer nvme (ZeRO-Infinity)
+  ds-z2-opt-cpu  DeepSpeed's engine, ZeRO stage 2, offload_optimizer cpu, at its best ([Note: DeepSpeed
+                 at its best] in step_deepspeed.py), held against opt-cpu
+  ds-z3-param-cpu  DeepSpeed's engine, ZeRO stage 3, offload_param and offload_optimizer cpu, held
+                 against s3-param-cpu
+The default is every row but DeepSpeed's, which run where ``import deepspeed`` works (its wheels carried
+to a GPU machine by tools/gpu_wheels.sh; ``DS_ACCELERATOR=cpu`` on a CPU) and are skipped, saying why,
+elsewhere.
 
 A step is --accum micro-batches of --batch x --seq tokens (forward, backward), then the optimizer
 step; its time runs until the GPU has finished (``torch.cuda.synchronize``). Interleaved (the
@@ -28,7 +35,8 @@ Reported per contender: the median step time, tokens/s, achieved TFLOP/s ([Note:
 step_gpu_plan.py: 6 N + 12 L d T per token), the GPU wait share ([Note: GPU wait share]: 1 - busy
 kernel time of one profiled step / median step time), the step rate against torch's and against
 the engine's none (interleaved: the median over rounds of the paired ratios; sequential: ratio of
-medians), and the loss of the last step. The issue's bar: opt-cpu >= 0.70 of the no-offload rate.
+medians), and the loss of the last step; below the table, each row's losses against torch's step by
+step (every contender steps the same batches in the same order) and ours against DeepSpeed's rate. The issue's bar: opt-cpu >= 0.70 of the no-offload rate.
 
 ``--largest``: the most layers at --dim that ``offload estimate`` says fit this GPU's memory, the
 host's available memory and --nvme-path's free space (85% of each) for at least one contender;
@@ -62,7 +70,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_common import LR, WEIGHT_DECAY, _load, publish  # noqa: E402
-from step_gpu_plan import CONTENDERS, Contender, fits, gpu_busy_seconds, largest_layers, model_flops_per_step  # noqa: E402
+from step_deepspeed import DeepSpeedRow, available, ds_config  # noqa: E402
+from step_gpu_plan import CONTENDERS, PEERS, Contender, fits, gpu_busy_seconds, largest_layers, model_flops_per_step  # noqa: E402
 
 from offload.builder import initialize  # noqa: E402
 from offload.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -71,6 +80,7 @@ ONE_B = {"vocab": 50304, "dim": 2048, "layers": 18, "heads": 16, "seq": 1024, "b
 """~1.01B params (18 x 12 d^2 + the tied 50304 x 2048 embedding); 32k tokens per optimizer step."""
 TINY = {"vocab": 256, "dim": 64, "layers": 2, "heads": 4, "seq": 32, "batch": 2, "accum": 2}
 BY_NAME = {c.name: c for c in CONTENDERS}
+DEFAULT = [c.name for c in CONTENDERS if not c.deepspeed]
 
 
 def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str) -> dict:
@@ -170,6 +180,9 @@ def build(c: Contender, gcfg: GPTConfig, device: torch.device, *, batch: int, ac
         model = GPT(gcfg, seed=0) if base is None else copy.deepcopy(base)  # the same weights for every contender
     if not c.engine:
         return TorchRow(c, model, device)
+    if c.deepspeed:
+        return DeepSpeedRow(c.name, model, device, ds_config(engine_config(c, batch=batch, accum=accum,
+                                                                         nvme_path=nvme_path), ratio=c.ratio))
     return EngineRow(c, model, device, batch=batch, accum=accum, nvme_path=nvme_path)
 
 
@@ -205,7 +218,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="a tiny GPT (the CPU smoke run)")
     ap.add_argument("--largest", action="store_true", help="the most layers at --dim that fit (implies --sequential)")
     ap.add_argument("--sequential", action="store_true", help="one contender in memory at a time")
-    ap.add_argument("--contenders", nargs="+", choices=list(BY_NAME), default=list(BY_NAME))
+    ap.add_argument("--contenders", nargs="+", choices=list(BY_NAME), default=DEFAULT,
+                    help="default: every row but DeepSpeed's (" + ", ".join(DEFAULT) + ")")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-per-round", type=int, default=3, help="the first of them is not measured")
     for key in ("vocab", "dim", "layers", "heads", "seq", "batch", "accum"):
@@ -238,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="bench-step-gpu-", dir=args.nvme_path)
     wanted = [BY_NAME[n] for n in args.contenders]
     notes, skipped = [], []
+    peers = [c for c in wanted if c.deepspeed]
+    why = (peers and args.largest and "--largest builds stage 3 under offload.init_context, ours only") or \
+        (peers and available())
+    if why:
+        print(f"DeepSpeed's rows skipped: {why}", flush=True)
+        skipped += [f"{c.name} ({why})" for c in peers]
+        wanted = [c for c in wanted if not c.deepspeed]
     if args.largest:
         dev_b, host_b, disk_b = _memory(device, tmp.name)
         dims = dict(n_embd=args.dim, n_head=args.heads, vocab=args.vocab, seq=args.seq, batch=args.batch)
@@ -281,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = run.rounds_done
     measured = [c for c in wanted if run.steps[c.name]]
     skipped += [f"{c.name} (not measured: out of time)" for c in wanted if not run.steps[c.name]]
-    publish(report(args, argv, device, measured, skipped, notes, n_params, tokens, flops, run.steps, run.per_round,
-                   run.losses, run.busy), args.out)
+    lines = report(args, argv, device, measured, skipped, notes, n_params, tokens, flops, run.steps, run.per_round,
+                   run.losses, run.busy)
+    publish(lines + against_peers(args, measured, run), args.out)
     return 0
 
 
@@ -296,6 +318,7 @@ class Run:
         self.steps: dict[str, list[float]] = collections.defaultdict(list)
         self.per_round: dict[str, list[float]] = collections.defaultdict(list)
         self.losses: dict[str, float] = {}
+        self.trace: dict[str, dict[tuple[int, int], float]] = collections.defaultdict(dict)  # (round, step): loss
         self.busy: dict[str, float | None] = {}
         self.setup: dict[str, float] = {}
         self.rounds_done = 0
@@ -310,12 +333,15 @@ class Run:
         t0 = time.perf_counter()
         row = build(c, self.gcfg, self.device, base=base, **self.kw)
         self.setup[c.name] = time.perf_counter() - t0
+        if isinstance(row, DeepSpeedRow):
+            self.notes.append(f"{c.name}: {row.settings()}")
         return row
 
     def measure(self, row, r: int) -> None:
         for s in range(self.args.steps_per_round):
             dt, loss = row.step(self.micro[(r * self.args.steps_per_round + s) % len(self.micro)])
             self.losses[row.name] = loss
+            self.trace[row.name][r, s] = loss
             if s:
                 self.steps[row.name].append(dt)
                 self.per_round[f"{row.name}@{r}"].append(dt)
@@ -381,6 +407,29 @@ class Run:
                 row.close()
 
 
+def against_peers(args, measured: list[Contender], run: "Run") -> list[str]:
+    """Each row's losses against torch's, step by step, and ours against DeepSpeed's step rate."""
+    names = [c.name for c in measured]
+    lines = []
+    if "torch" in names:
+        ref = run.trace["torch"]
+        lines += ["", "Losses against torch's, step by step (the same batches in the same order; bf16):", ""]
+        for name in names[names.index("torch") + 1:] + names[:names.index("torch")]:
+            common = sorted(set(ref) & set(run.trace[name]))
+            if common:
+                worst = max(abs(run.trace[name][k] - ref[k]) for k in common)
+                lines.append(f"- {name}: largest |loss - torch's| {worst:.4f} over {len(common)} steps")
+    pairs = [(ours, peer) for peer, ours in PEERS.items() if peer in names and ours in names]
+    if pairs:
+        lines += ["", "Ours against DeepSpeed (the same offload, config keys, batches and weights):", ""]
+    for ours, peer in pairs:
+        common = sorted(set(run.trace[ours]) & set(run.trace[peer]))
+        worst = max(abs(run.trace[ours][k] - run.trace[peer][k]) for k in common)
+        lines.append(f"- {ours} / {peer}: step rate {_ratio(ours, peer, args, run.steps, run.per_round)} (issue 39: "
+                     f">= 2x); largest |loss - DeepSpeed's| {worst:.4f} over {len(common)} steps")
+    return lines
+
+
 def _ratio(name: str, ref: str, args, steps, per_round) -> str:
     """Step rate of ``name`` over ``ref``'s (= ref's step time / name's)."""
     if ref not in steps or not steps[ref] or not steps[name]:
@@ -418,7 +467,7 @@ def report(args, argv, device, wanted, skipped, notes, n_params, tokens, flops, 
                      f"{flops / med / 1e12:.1f} | {wait} | {_ratio(c.name, 'torch', args, steps, per_round)} | "
                      f"{_ratio(c.name, 'none', args, steps, per_round)} | {losses[c.name]:.4f} |")
     if skipped:
-        lines += ["", "Skipped (do not fit at this size): " + "; ".join(skipped)]
+        lines += ["", "Skipped: " + "; ".join(skipped)]
     for ref in ("torch", "none"):
         if "opt-cpu" in steps and ref in steps:
             rate = statistics.median(steps[ref]) / statistics.median(steps["opt-cpu"])

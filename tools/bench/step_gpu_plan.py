@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Contender", "CONTENDERS", "busy_seconds", "gpu_busy_seconds", "fits", "largest_layers",
+__all__ = ["Contender", "CONTENDERS", "PEERS", "busy_seconds", "gpu_busy_seconds", "fits", "largest_layers",
            "model_flops_per_step"]
 
 
@@ -52,6 +52,10 @@ class Contender:
     """offload.state_dtype: how the offloaded Adam moments are stored ("fp32", "bf16", "int8")."""
     grad_accum_dtype: str = "fp32"
     """data_types.grad_accum_dtype: the host gradient accumulators' type ("fp32", "bf16")."""
+    deepspeed: bool = False
+    """DeepSpeed's engine on the same config keys (``step_deepspeed``), not ours."""
+    ratio: float | None = None
+    """DeepSpeed's ``offload_optimizer.ratio`` (the share of the optimizer offloaded; stage 3)."""
 
 
 CONTENDERS = (
@@ -65,8 +69,13 @@ CONTENDERS = (
     Contender(name="opt-cpu-lean", stage=1, optimizer="cpu", state_dtype="int8", grad_accum_dtype="bf16"),
     Contender(name="s3-param-cpu", stage=3, optimizer="cpu", param="cpu"),
     Contender(name="s3-param-nvme", stage=3, optimizer="nvme", param="nvme"),
+    Contender(name="ds-z2-opt-cpu", stage=2, optimizer="cpu", deepspeed=True),
+    Contender(name="ds-z3-param-cpu", stage=3, optimizer="cpu", param="cpu", deepspeed=True),
 )
 """Every row, in the order the bench prints them."""
+PEERS = {"ds-z2-opt-cpu": "opt-cpu", "ds-z3-param-cpu": "s3-param-cpu"}
+"""DeepSpeed's rows and ours each is held against (the same offload; ours at stage 1 moves what its stage 2
+does with one rank)."""
 
 
 def model_flops_per_step(*, params: int, n_layer: int, n_embd: int, seq: int, tokens: int) -> float:

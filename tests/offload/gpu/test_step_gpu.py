@@ -4,6 +4,7 @@ real run whose wait share comes from the profiler."""
 from __future__ import annotations
 
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from step_gpu_plan import (  # noqa: E402
 from offload.models.gpt import GPT, GPTConfig  # noqa: E402
 
 NAMES = [c.name for c in CONTENDERS]
+DEFAULT = step_gpu.DEFAULT  # every row but DeepSpeed's (test_step_deepspeed runs those)
 GIB = 1 << 30
 
 
@@ -87,7 +89,7 @@ def test_the_whole_bench_runs_on_the_cpu_with_a_tiny_model(tmp_path):
                           "--nvme-path", str(tmp_path), "--out", str(out)]) == 0
     text = out.read_text()
     rows = _rows(text)
-    assert list(rows) == NAMES
+    assert list(rows) == DEFAULT and not any(n.startswith("ds-") for n in DEFAULT)
     tokens = 2 * 2 * 32
     for name, cells in rows.items():
         step = float(cells[1].split()[0])
@@ -180,3 +182,15 @@ def test_a_real_profile_without_a_gpu_has_no_busy_time():
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert any(e.name == "aten::mm" for e in prof.events())
     assert gpu_busy_seconds(prof) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cpu refuses it")
+def test_deepspeeds_rows_are_skipped_saying_why_where_it_does_not_import(tmp_path, capsys, monkeypatch):
+    """This interpreter's path has no DeepSpeed (the set-up keeps it in .venv/ds-site, off it)."""
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert step_gpu.main(["--device", "cpu", "--tiny", "--rounds", "1", "--steps-per-round", "2", "--contenders",
+                          "torch", "ds-z2-opt-cpu", "--nvme-path", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert list(_rows(text)) == ["torch"]
+    assert re.search(r"Skipped: ds-z2-opt-cpu \(deepspeed does not import: "
+                     r"ModuleNotFoundError: No module named 'deepspeed'\)", text), text
