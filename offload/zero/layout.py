@@ -161,10 +161,16 @@ class FlatLayout:
             shards.append((part, b))
             part += b.shard_numel
         out: list[SubGroup] = []
+        first = 0  # the first shard that may reach into this sub-group: shards and sub-groups both ascend
         for sg_start in range(0, self.partition_numel, self.sub_group_numel):
             sg_end = min(sg_start + self.sub_group_numel, self.partition_numel)
+            while first < len(shards) and shards[first][0] + shards[first][1].shard_numel <= sg_start:
+                first += 1
             pieces = []
-            for part_start, b in shards:
+            for i in range(first, len(shards)):
+                part_start, b = shards[i]
+                if part_start >= sg_end:
+                    break
                 lo, hi = max(sg_start, part_start), min(sg_end, part_start + b.shard_numel)
                 if lo < hi:
                     flat = b.shard_start(self.rank) + (lo - part_start)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 MIB = 1 << 20
 
 from offload.runtime.host_heap import peak_resident_bytes, reset_peak_resident, resident_bytes  # noqa: E402
@@ -60,30 +61,14 @@ def _batch(a):
 
 
 def phase_save(a) -> dict:
-    """The checkpoint, one tensor at a time: weights N(0, 0.02), norms 1, in bf16."""
-    import torch
-    from transformers import LlamaForCausalLM
+    """The checkpoint, one tensor at a time: weights N(0, 0.02), norms 1, in bf16 (``hf_checkpoint``)."""
+    from hf_checkpoint import write_random_checkpoint
 
-    from offload.hf.safetensors_out import ShardedWriter, model_config_json, write_config
-
-    t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = LlamaForCausalLM(_model_config(a))
-    src = os.path.join(a.workdir, "src")
-    writer = ShardedWriter(src, max_shard_size_bytes=a.shard_mib * MIB)
-    g = torch.Generator().manual_seed(0)
     before = reset_peak_resident()
-    for name, p in model.named_parameters():
-        if p.dim() == 1:
-            value = torch.ones(p.shape, dtype=torch.bfloat16)
-        else:
-            value = (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
-        writer.add(name, value)
-        del value
-    writer.close()
-    write_config(src, model_config_json(model))
-    return {"params": sum(p.numel() for p in model.parameters()), "save_s": time.perf_counter() - t0,
-            "save_peak_growth": peak_resident_bytes() - before, "save_held": writer.peak_held_bytes}
+    out = write_random_checkpoint(_model_config(a), os.path.join(a.workdir, "src"),
+                                  max_shard_size_bytes=a.shard_mib * MIB)
+    return {"params": out["params"], "save_s": out["seconds"], "save_peak_growth": peak_resident_bytes() - before,
+            "save_held": out["writer_peak_bytes"]}
 
 
 def phase_engine(a) -> dict:

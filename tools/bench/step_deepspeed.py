@@ -27,7 +27,7 @@ import time
 
 import torch
 
-__all__ = ["DeepSpeedRow", "available", "ds_config"]
+__all__ = ["DeepSpeedRow", "available", "ds_config", "one_rank_env"]
 
 
 def available() -> str | None:
@@ -56,7 +56,7 @@ def ds_config(ours: dict, *, ratio: float | None = None) -> dict:
     return cfg
 
 
-def _one_rank_env() -> None:
+def one_rank_env() -> None:
     """RANK and friends for a group of one (DeepSpeed would otherwise look for MPI)."""
     if "RANK" in os.environ:
         return
@@ -84,7 +84,7 @@ class DeepSpeedRow:
         self.name = name
         self.device = device
         self.cores = bind_threads()
-        _one_rank_env()
+        one_rank_env()
         if device.type == "cuda":
             torch.cuda.set_device(device.index or 0)
         self.config = config
