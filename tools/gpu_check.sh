@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Everything issue 12 measures on a lent H100/H200, in one device call of under 10 minutes.
+# The device stages of the GPU issues on a lent H100/H200: each call of the device tool runs `setup` and some
+# of the stages below within its 10 minutes.
 #
 # Before the call, once, in the checkout the device tool sends (the lead's):
 #   bash tools/gpu_wheels.sh            # cffi + pycparser wheels into .whl/ (git-ignored there)
 # The call (the device tool's run):
 #   command: bash tools/gpu_check.sh    carry: [".whl"]    timeout_s: 600
 #   and a second one for the NVMe rows and the largest model:  bash tools/gpu_check.sh setup step-nvme largest
+#   issue 39 (the sizes people offload for, against DeepSpeed), a call each (about 8, 6 and 8 minutes):
+#     bash tools/gpu_check.sh setup hf-8b
+#     bash tools/gpu_check.sh setup step-ds hf-14b
+#     bash tools/gpu_check.sh setup hf-largest
 #
 # Stages (arguments pick them; none: setup tests fetch step):
 #   setup    the wheels into /tmp/site (on PYTHONPATH), our C built in place (setup.py build_ext
@@ -23,6 +28,13 @@
 #            fp32 state both ways, seconds per step: fewer rounds) -> $OUT/step_gpu_1b_nvme.md
 #   largest  tools/bench/step_gpu.py --largest: the most layers at dim 4096 that fit with
 #            s3-param-cpu, one contender -> $OUT/step_gpu_largest.md
+#   step-ds  step_gpu.py at ~1B: torch, none, opt-cpu, ds-z2-opt-cpu, s3-param-cpu, ds-z3-param-cpu (DeepSpeed's
+#            rows alternating with ours) -> $OUT/step_gpu_ds.md
+#   hf-8b, hf-14b  tools/bench/step_hf.py --model 8b / 14b: the Llama checkpoint written, ours with the
+#            estimate's config, then DeepSpeed fitted to the node, 3 measured steps each -> $OUT/step_hf_8b.md, ...
+#   hf-largest  step_hf.py --largest: the most layers at the 30b widths the estimate fits, ours, 3 steps
+#            -> $OUT/step_hf_largest.md
+# The DeepSpeed stages put its wheels (.whl/deepspeed/, installed by setup into $SITE_DS) on their path only.
 # Every stage has a time limit, cut to what is left before DEADLINE seconds (default 580, inside the
 # tool's 600) have passed since the start: a hung or slow stage costs its limit, not the reports of
 # the others. Each stage's exit status goes to $OUT/summary.txt; the script's status is that of the
@@ -35,6 +47,7 @@ OUT=${OUT:-$(mktemp -d /tmp/gpu-check-XXXXXX)}
 PY=${PY:-python3}
 DEADLINE=${DEADLINE:-580}
 SITE=${SITE:-/tmp/site}  # where the wheels are installed (on PYTHONPATH after setup)
+SITE_DS=${SITE_DS:-/tmp/site-ds}  # DeepSpeed's, on the path of its stages only
 mkdir -p "$OUT"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(setup tests fetch step)
@@ -86,6 +99,11 @@ for name in ("cffi", "pycparser", "aiofiles", "prometheus_client", "rich", "nump
         print(f"{name} MISSING: {exc}")
 import cffi, torch  # noqa: E401  (the two the rest cannot do without)
 EOF
+  if compgen -G ".whl/deepspeed/*.whl" >/dev/null; then  # the peer's: a failure here skips its rows, no more
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE_DS" \
+      .whl/deepspeed/*.whl && PYTHONPATH=$SITE_DS:$PYTHONPATH $PY -c "import deepspeed; print('deepspeed', \
+deepspeed.__version__)" || echo "DeepSpeed does not install or import: its rows will be skipped"
+  fi
   $PY setup.py -q build_ext --inplace || return 1
   $PY -c "from cpu_adam import resolve_isa; import swap; print('our C: built; CPU Adam path', resolve_isa(None).name)"
 }
@@ -135,8 +153,22 @@ for stage in "${stages[@]}"; do
       run_stage largest "$lim" "$OUT/step_gpu_largest.md" $PY tools/bench/step_gpu.py --largest --rounds 1 \
         --steps-per-round 3 --contenders s3-param-cpu --dim 4096 --heads 32 --batch 4 --headroom 0.7 \
         --nvme-path /tmp --budget-seconds $((lim - 30)) ;;
+    step-ds)
+      lim=$(limit_for 330)
+      PYTHONPATH=$SITE_DS:${PYTHONPATH:-} run_stage step-ds "$lim" "$OUT/step_gpu_ds.md" $PY tools/bench/step_gpu.py \
+        --rounds 3 --steps-per-round 3 --contenders torch none opt-cpu ds-z2-opt-cpu s3-param-cpu ds-z3-param-cpu \
+        --nvme-path /tmp --budget-seconds $((lim - 40)) --out "$OUT/step_gpu_ds.table.md" ;;
+    hf-8b|hf-14b)
+      lim=$(limit_for 540)
+      PYTHONPATH=$SITE_DS:${PYTHONPATH:-} run_stage "$stage" "$lim" "$OUT/step_hf_${stage#hf-}.md" $PY \
+        tools/bench/step_hf.py --model "${stage#hf-}" --contenders ours ds --steps 3 --nvme-path /tmp \
+        --budget-seconds $((lim - 150)) --out "$OUT/step_hf_${stage#hf-}.table.md" ;;
+    hf-largest)
+      lim=$(limit_for 540)
+      run_stage hf-largest "$lim" "$OUT/step_hf_largest.md" $PY tools/bench/step_hf.py --largest --contenders ours \
+        --steps 3 --nvme-path /tmp --budget-seconds $((lim - 200)) --out "$OUT/step_hf_largest.table.md" ;;
     *)
-      echo "gpu_check: unknown stage $stage (setup tests fetch step step-nvme largest)" | tee -a "$summary"
+      echo "gpu_check: unknown stage $stage (setup tests fetch step step-nvme largest step-ds hf-8b hf-14b hf-largest)" | tee -a "$summary"
       status=2 ;;
   esac
 done

@@ -7,7 +7,8 @@
 # What the machine lacks: our package needs torch, numpy, cffi, aiofiles, prometheus-client
 # and rich (pyproject.toml), plus pytest; the machine's image ('cuda', Python 3.12) has all of
 # them but cffi and its dependency pycparser (the device docs' KINDS.md package list). cffi
-# compiles our C there (setup.py's cffi_modules) and is its runtime (_cffi_backend).
+# compiles our C there (setup.py's cffi_modules) and is its runtime (_cffi_backend). The DeepSpeed
+# peer's wheels go to .whl/deepspeed/ (below).
 #
 #   bash tools/gpu_wheels.sh                 # into .whl/ of this checkout
 #   bash tools/gpu_wheels.sh --dest DIR      # elsewhere (nothing is added to any exclude file)
@@ -53,5 +54,22 @@ if ! out=$($PY -m pip download -q --disable-pip-version-check --no-deps --only-b
   exit 1
 fi
 grep -v '^WARNING: Location' <<<"$out" || true  # the index's notices are noise
-ls -l "$DEST"/*.whl
+
+# The peer's rows (tools/bench/step_deepspeed.py, step_hf.py): DeepSpeed and what it imports that the image
+# lacks (hjson, pydantic with its compiled core and two small helpers; ninja, py-cpuinfo, msgpack, einops and
+# psutil are there), in a folder of their own that gpu_check.sh puts on the path of the DeepSpeed stages only
+# (Accelerate and transformers change course when they find DeepSpeed importable). DeepSpeed's wheel is
+# built here from its source (pure Python: its ops are built by its JIT there, on first use).
+DS_VERSION=${DS_VERSION:-0.19.8}
+mkdir -p "$DEST/deepspeed"
+rm -f "$DEST"/deepspeed/*.whl
+if ! out=$($PY -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version "$PYVER" --implementation cp "${platforms[@]}" -d "$DEST/deepspeed" \
+    hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 2>&1) ||
+   ! out2=$($PY -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$DEST/deepspeed" \
+    "deepspeed==$DS_VERSION" 2>&1); then
+  echo "$out" "${out2:-}" >&2
+  exit 1
+fi
+ls -l "$DEST"/*.whl "$DEST"/deepspeed/*.whl
 echo "gpu_wheels: done; carry \"$DEST\" with the device call and run: bash tools/gpu_check.sh"

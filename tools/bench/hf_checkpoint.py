@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["write_random_checkpoint"]
+__all__ = ["write_config_only", "write_random_checkpoint"]
 
 
 def write_random_checkpoint(config: Any, directory: str, *, max_shard_size_bytes: int, seed: int = 0) -> dict:
@@ -38,3 +38,15 @@ def write_random_checkpoint(config: Any, directory: str, *, max_shard_size_bytes
     write_config(directory, model_config_json(model))
     return {"params": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - t0,
             "writer_peak_bytes": writer.peak_held_bytes}
+
+
+def write_config_only(config: Any, directory: str) -> None:
+    """``config``'s config.json alone under ``directory`` (a model built from it, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from offload.hf.safetensors_out import model_config_json, write_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    os.makedirs(directory, exist_ok=True)
+    write_config(directory, model_config_json(model))

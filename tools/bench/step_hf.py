@@ -19,6 +19,7 @@ load and set-up seconds, and each step's loss beside the other contender's.
     python3 tools/bench/step_hf.py --model 8b [--contenders ours ds] [--steps 3] [--out FILE]
     python3 tools/bench/step_hf.py --model 14b --contenders ours
     python3 tools/bench/step_hf.py --largest --steps 3          # the most layers at the 30b widths that fit
+    python3 tools/bench/step_hf.py --largest --model tiny --max-layers 4 --device cpu   # its smoke run
     python3 tools/bench/step_hf.py --model tiny --device cpu    # the CPU smoke run (the tests')
 """
 from __future__ import annotations
@@ -65,7 +66,16 @@ def _load_ours(a, device):
     from offload import init_context, initialize
 
     config = engine_config(BY_CHOICE[a.choice], micro_batch=a.micro_batch, accum=a.accum, nvme_path=a.nvme_path)
-    if config["zero_optimization"]["stage"] == 3:
+    if a.from_config:  # --largest: no weights on disk, drawn as the engine partitions them
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(a.checkpoint, local_files_only=True)
+        if config["zero_optimization"]["stage"] == 3:
+            with init_context(config):
+                model = AutoModelForCausalLM.from_config(hf)
+        else:
+            model = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+    elif config["zero_optimization"]["stage"] == 3:
         with init_context(config):
             model = AutoModelForCausalLM.from_pretrained(a.checkpoint, local_files_only=True)
     else:
@@ -167,29 +177,37 @@ def _machine(a):
 
 
 def _largest(a, machine) -> tuple[int, list[str]]:
-    """The most layers at the 30b widths with which some choice fits (a binary search: more layers need more)."""
-    base = SHAPES["30b"]
+    """The most layers (up to --max-layers) at --model's widths with which some choice fits, and the estimate's
+    lines for one layer more: a binary search, since more layers need more of every memory."""
+    base = SHAPES[a.model]
 
-    def ok(n: int) -> bool:
-        return choose(dataclasses.replace(base, layers=n), micro_batch=a.micro_batch, seq=a.seq, machine=machine,
-                      nvme_path=a.nvme_path, headroom=a.headroom)[0] is not None
+    def fit(n: int) -> tuple[bool, list[str]]:
+        choice, tried = choose(dataclasses.replace(base, layers=n), micro_batch=a.micro_batch, seq=a.seq,
+                               machine=machine, nvme_path=a.nvme_path, headroom=a.headroom)
+        return choice is not None, tried
 
-    lo, hi = 0, base.layers * 2
+    if fit(a.max_layers)[0]:
+        return a.max_layers, []
+    lo, hi = 0, a.max_layers
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    _, tried = choose(dataclasses.replace(base, layers=lo + 1), micro_batch=a.micro_batch, seq=a.seq,
-                      machine=machine, nvme_path=a.nvme_path, headroom=a.headroom)
-    return lo, tried
+        lo, hi = (mid, hi) if fit(mid)[0] else (lo, mid)
+    return lo, fit(lo + 1)[1]
 
 
-def _run_child(a, contender: str, extra: list[str], checkpoint: str, vocab: int) -> dict:
+def _run_child(a, contender: str, extra: list[str], checkpoint: str, vocab: int, seconds: float | None) -> dict:
+    """One contender in a child process; ``seconds``: its share of the budget (measuring stops early enough,
+    and a child still running past it with a minute's grace is stopped and reported as out of time)."""
     argv = [sys.executable, __file__, "--child", contender, "--checkpoint", checkpoint, "--device", a.device,
             "--seq", str(a.seq), "--micro-batch", str(a.micro_batch), "--accum", str(a.accum),
             "--steps", str(a.steps), "--nvme-path", a.nvme_path, "--vocab", str(vocab), *extra]
-    if a.budget_seconds:
-        argv += ["--budget-seconds", str(a.budget_seconds / max(1, len(a.contenders)))]
-    proc = subprocess.run(argv, capture_output=True, text=True)
+    if seconds is not None:
+        argv += ["--budget-seconds", str(seconds)]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=None if seconds is None else seconds + 60)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return {"contender": contender, "failed": f"out of time after {seconds + 60:.0f} s: ...{out[-1000:]}"}
     tail = (proc.stdout + proc.stderr)[-3000:]
     if proc.returncode != 0:
         return {"contender": contender, "failed": f"exit {proc.returncode}: ...{tail}"}
@@ -197,21 +215,26 @@ def _run_child(a, contender: str, extra: list[str], checkpoint: str, vocab: int)
 
 
 def driver(a) -> int:
+    t0 = time.perf_counter()
     machine = _machine(a)
     notes = [f"machine: {machine.describe()}"]
-    if a.largest:
+    if a.largest:  # no checkpoint: the model is built from its config (under init_context at stage 3)
         layers, tried = _largest(a, machine)
         if layers == 0:
-            print("--largest: not even one layer at the 30b widths fits", flush=True)
+            print(f"--largest: not even one layer at the {a.model} widths fits", flush=True)
             return 1
-        SHAPES["largest"] = dataclasses.replace(SHAPES["30b"], layers=layers)
+        notes.append(f"--largest: {layers} layers at the {a.model} widths fit, " + (
+            "; ".join(["one more does not"] + tried) if tried else "the search's cap (--max-layers)"))
+        SHAPES["largest"] = dataclasses.replace(SHAPES[a.model], layers=layers)
         a.model = "largest"
-        notes.append(f"--largest: {layers} layers at the 30b widths fit, one more does not: " + "; ".join(tried))
     shape = SHAPES[a.model]
     total, _ = params_of(shape)
+    if not a.largest:  # the checkpoint takes its bf16 bytes of the disk the swap files would use
+        machine = dataclasses.replace(machine, nvme_bytes=max(0, machine.nvme_bytes - 2 * total))
     choice, tried = choose(shape, micro_batch=a.micro_batch, seq=a.seq, machine=machine, nvme_path=a.nvme_path,
                            headroom=a.headroom)
-    notes.append(f"offload estimate, {a.headroom:.0%} of each memory: " + "; ".join(tried))
+    notes.append(f"offload estimate, {a.headroom:.0%} of each memory{'' if a.largest else ' (the disk less the checkpoint)'}"
+                 ": " + "; ".join(tried))
     if a.choice:
         choice = BY_CHOICE[a.choice]
         notes.append(f"ours runs {a.choice}: --choice, not the estimate's pick")
@@ -223,19 +246,30 @@ def driver(a) -> int:
     flops = model_flops_per_token(shape, seq=a.seq) * tokens
     work = tempfile.mkdtemp(prefix="bench-step-hf-", dir=a.nvme_path)
     results, skipped = [], []
+    lines = lambda: report(a, shape, total, tokens, flops, notes, results, skipped)  # noqa: E731
     try:
         if choice is None and "ours" in a.contenders:
             skipped.append("ours (no row of the estimate fits)")
-        from hf_checkpoint import write_random_checkpoint
+        from hf_checkpoint import write_random_checkpoint, write_config_only
 
         ckpt = os.path.join(work, "checkpoint")
-        saved = write_random_checkpoint(hf_config(shape, seq=a.seq), ckpt, max_shard_size_bytes=2 * GIB)
-        notes.append(f"checkpoint: {saved['params'] / 1e9:.2f}B params of bf16 safetensors written tensor by tensor "
-                     f"in {saved['seconds']:.0f} s")
-        for contender in a.contenders:
-            if contender == "ours" and choice is not None:
-                results.append(_run_child(a, "ours", ["--choice", choice.name], ckpt, shape.vocab))
-            elif contender == "ds":
+        if a.largest:
+            write_config_only(hf_config(shape, seq=a.seq), ckpt)
+            notes.append("no checkpoint (--largest): the model built from its config.json, its weights drawn by "
+                         "the engine as it partitions them")
+        else:
+            saved = write_random_checkpoint(hf_config(shape, seq=a.seq), ckpt, max_shard_size_bytes=2 * GIB)
+            notes.append(f"checkpoint: {saved['params'] / 1e9:.2f}B params of bf16 safetensors written tensor by "
+                         f"tensor in {saved['seconds']:.0f} s")
+        runs = [c for c in a.contenders if c != "ours" or choice is not None]
+        for i, contender in enumerate(runs):
+            seconds = None
+            if a.budget_seconds:
+                seconds = (a.budget_seconds - (time.perf_counter() - t0)) / (len(runs) - i)
+            if contender == "ours":
+                results.append(_run_child(a, "ours", ["--choice", choice.name] + (["--from-config"] if a.largest else []),
+                                          ckpt, shape.vocab, seconds))
+            else:
                 from step_deepspeed import available
 
                 why = available() if ds_zero is not None else ds_why
@@ -243,13 +277,16 @@ def driver(a) -> int:
                     skipped.append(f"ds ({why})")
                     continue
                 notes.append(f"DeepSpeed's config: {ds_why}")
-                results.append(_run_child(a, "ds", ["--ds-zero", json.dumps(ds_zero)], ckpt, shape.vocab))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"})[:600] if results else "", flush=True)
+                results.append(_run_child(a, "ds", ["--ds-zero", json.dumps(ds_zero)], ckpt, shape.vocab, seconds))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"})[:600], flush=True)
+            if a.out:  # what was measured so far survives a stage stopped from outside
+                with open(a.out, "w") as f:
+                    f.write("\n".join(lines()) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     from step_common import publish
 
-    publish(report(a, shape, total, tokens, flops, notes, results, skipped), a.out)
+    publish(lines(), a.out)
     return 0 if results and not any("failed" in r for r in results) else 1
 
 
@@ -294,7 +331,9 @@ def report(a, shape, total, tokens, flops, notes, results, skipped) -> list[str]
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=list(SHAPES), default="8b")
-    p.add_argument("--largest", action="store_true", help="the most layers at the 30b widths that fit")
+    p.add_argument("--largest", action="store_true", help="the most layers at --model's widths that fit (--model "
+                   "30b unless given)")
+    p.add_argument("--max-layers", type=int, default=256, help="--largest: search up to this many layers")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--contenders", nargs="+", choices=("ours", "ds"), default=["ours", "ds"])
     p.add_argument("--seq", type=int, default=None, help="tokens a sequence (4096; 64 with --model tiny)")
@@ -308,10 +347,14 @@ def parse(argv=None):
     p.add_argument("--vocab", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=("ours", "ds"), dest="contender", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--from-config", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--choice", choices=list(BY_CHOICE), help="ours runs this row, not the estimate's pick")
     p.add_argument("--ds-zero", help="DeepSpeed's zero_optimization stage and offload_optimizer (JSON), not the "
                    "bench's pick")
+    given = "--model" in (sys.argv[1:] if argv is None else argv)
     a = p.parse_args(argv)
+    if a.largest and not given:
+        a.model = "30b"
     tiny = a.model == "tiny"
     a.seq = a.seq or (64 if tiny else 4096)
     a.micro_batch = a.micro_batch or 2

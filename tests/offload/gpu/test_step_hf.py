@@ -129,4 +129,15 @@ def test_the_tiny_model_trains_on_both_engines_with_the_same_losses(tmp_path, ar
     if stage == 3:
         assert "ratio 0.5" in text and '"master_dtype": "bf16"' in text
     else:
-        assert "estimate, 85% of each memory: z2-opt-cpu:" in text and "fits" in text
+        assert "of each memory (the disk less the checkpoint): z2-opt-cpu:" in text and "fits" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cpu refuses it")
+def test_the_largest_is_built_from_its_config_under_init_context(tmp_path):
+    """--largest writes no weights: at stage 3 the model is built from config.json under init_context."""
+    text = _run(tmp_path, "--largest", "--max-layers", "3", "--choice", "z3-param-cpu-lean", "--contenders", "ours")
+    assert "--largest: 3 layers at the tiny widths fit, the search's cap" in text
+    assert "no checkpoint (--largest)" in text and "model: 3 layers, hidden 64" in text
+    losses = _losses(text, "ours")
+    assert len(losses) == 3 and all(5.0 < x < 6.0 for x in losses)  # ln(256) = 5.55: a fresh model's loss
+    assert '"stage": 3' in text and '"offload_param": {"device": "cpu"}' in text
