@@ -92,7 +92,7 @@ def _load_deepspeed(a, device):
 
     from step_deepspeed import DeepSpeedRow, ds_config, one_rank_env
 
-    base = engine_config(BY_CHOICE["z2-opt-cpu"], micro_batch=a.micro_batch, accum=a.accum, nvme_path=a.nvme_path)
+    base = engine_config(BY_CHOICE["z1-opt-cpu"], micro_batch=a.micro_batch, accum=a.accum, nvme_path=a.nvme_path)
     zero = json.loads(a.ds_zero)
     base["zero_optimization"] = {**base["zero_optimization"], **zero}
     base["zero_optimization"].pop("offload_param", None)

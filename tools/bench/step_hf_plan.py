@@ -87,16 +87,18 @@ class Choice:
 
 
 CHOICES = (
-    Choice("z2-opt-cpu", 2),
-    Choice("z2-opt-cpu-int8", 2, state_dtype="int8", grad_accum_dtype="bf16"),
-    Choice("z2-opt-cpu-lean", 2, state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
+    Choice("z1-opt-cpu", 1),
+    Choice("z1-opt-cpu-int8", 1, state_dtype="int8", grad_accum_dtype="bf16"),
+    Choice("z1-opt-cpu-lean", 1, state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
     Choice("z3-opt-cpu-lean", 3, state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
     Choice("z3-param-cpu-lean", 3, param="cpu", state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
     Choice("z3-opt-nvme-lean", 3, optimizer="nvme", state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
     Choice("z3-nvme-lean", 3, optimizer="nvme", param="nvme", state_dtype="int8", master_dtype="bf16",
            grad_accum_dtype="bf16"),
 )
-"""Fastest first ([Note: the estimate's pick])."""
+"""Fastest first ([Note: the estimate's pick]). Stage 1, not 2, where the params stay on the GPU: with one rank
+both hold the same bytes, but stage 1 accumulates the micro-batches' gradients in the GPU's flat buffer and
+moves them to the host once a step, stage 2 at every micro-batch (``offload.zero.grads``)."""
 
 
 def engine_config(choice: Choice, *, micro_batch: int, accum: int, nvme_path: str, lr: float = 1e-4) -> dict:
