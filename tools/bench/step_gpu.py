@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import datetime
 import gc
 import os
@@ -69,11 +68,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_common import LR, WEIGHT_DECAY, _load, publish  # noqa: E402
-from step_deepspeed import DeepSpeedRow, available, ds_config  # noqa: E402
+from step_common import _load, publish  # noqa: E402
+from step_deepspeed import DeepSpeedRow, available  # noqa: E402
+from step_gpu_rows import EngineRow, build  # noqa: E402
 from step_gpu_plan import CONTENDERS, PEERS, Contender, fits, gpu_busy_seconds, largest_layers, model_flops_per_step  # noqa: E402
 
-from offload.builder import initialize  # noqa: E402
 from offload.models.gpt import GPT, GPTConfig  # noqa: E402
 
 ONE_B = {"vocab": 50304, "dim": 2048, "layers": 18, "heads": 16, "seq": 1024, "batch": 8, "accum": 4}
@@ -83,107 +82,8 @@ BY_NAME = {c.name: c for c in CONTENDERS}
 DEFAULT = [c.name for c in CONTENDERS if not c.deepspeed]
 
 
-def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str) -> dict:
-    def where(device: str, buffers: int) -> dict:
-        return {"device": device, **({"nvme_path": nvme_path, "buffer_count": buffers} if device == "nvme" else {})}
-
-    zero = {"stage": c.stage, "offload_optimizer": where(c.optimizer, 4), "sub_group_size": 100_000_000,
-            "reduce_bucket_size": 50_000_000}
-    if c.stage == 3:
-        zero["offload_param"] = where(c.param, 5)
-    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accum,
-              "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-              "zero_optimization": zero}
-    if c.delayed:
-        config["offload"] = {"delayed_update": True, "delayed_update_warmup_steps": 1}
-    if c.overlap is not None:
-        config.setdefault("offload", {})["overlap_step"] = c.overlap
-    if c.state_dtype != "fp32":
-        config.setdefault("offload", {})["state_dtype"] = c.state_dtype
-    if c.grad_accum_dtype != "fp32":
-        config["data_types"] = {"grad_accum_dtype": c.grad_accum_dtype}
-    return config
-
-
 def _count(n: int) -> str:
     return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class TorchRow:
-    """Plain torch AMP: the peer every offload figure is held against."""
-
-    def __init__(self, c: Contender, model: GPT, device: torch.device) -> None:
-        self.name = c.name
-        self.device = device
-        self.model = model.to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-
-    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        for x, y in micro:
-            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16):
-                loss = self.model(x, y)
-            (loss / len(micro)).backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        _sync(self.device)
-        return time.perf_counter() - t0, loss.item()
-
-    def close(self) -> None:
-        self.model = self.opt = None
-
-
-class EngineRow:
-    def __init__(self, c: Contender, model: GPT, device: torch.device, *, batch: int, accum: int,
-                 nvme_path: str) -> None:
-        self.name = c.name
-        self.device = device
-        self.engine, _, _, _ = initialize(model=model, config=engine_config(c, batch=batch, accum=accum,
-                                                                            nvme_path=nvme_path))
-        if self.engine.device.type != device.type:
-            raise RuntimeError(f"the engine computes on {self.engine.device}, the bench asked for {device}")
-
-    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        for x, y in micro:
-            loss = self.engine(x, y)
-            self.engine.backward(loss)
-            self.engine.step()  # the optimizer step at the last micro-batch (the accumulation boundary)
-        _sync(self.device)
-        return time.perf_counter() - t0, loss.item()
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-def build(c: Contender, gcfg: GPTConfig, device: torch.device, *, batch: int, accum: int, nvme_path: str,
-          meta: bool = False, base: GPT | None = None):
-    """The contender's row, its model a copy of ``base`` (built here when None). ``meta``: a stage-3 model
-    is built under ``offload.init_context`` (no process holds it whole; other weights than the plain
-    build's) rather than on the host and copied in."""
-    if meta and c.stage == 3:
-        from bench_capacity import GPT2Init
-
-        from offload import init_context
-
-        init = GPT2Init(gcfg.n_layer)
-        with init_context(engine_config(c, batch=batch, accum=accum, nvme_path=nvme_path), param_init_fn=init):
-            model = GPT(gcfg, seed=0)
-        init.names.update((id(m), name) for name, m in model.named_modules())
-    else:
-        model = GPT(gcfg, seed=0) if base is None else copy.deepcopy(base)  # the same weights for every contender
-    if not c.engine:
-        return TorchRow(c, model, device)
-    if c.deepspeed:
-        return DeepSpeedRow(c.name, model, device, ds_config(engine_config(c, batch=batch, accum=accum,
-                                                                         nvme_path=nvme_path), ratio=c.ratio))
-    return EngineRow(c, model, device, batch=batch, accum=accum, nvme_path=nvme_path)
 
 
 def profiled_busy(row, micro, device: torch.device) -> float | None:
@@ -369,6 +269,8 @@ class Run:
                 if self.device.type == "cuda":
                     self.notes.append(f"{c.name}: peak GPU memory "
                                       f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f} GiB")
+                if isinstance(row, EngineRow) and row.breakdown():
+                    self.notes.append(f"{c.name}, per step: {row.breakdown()}")
             finally:
                 row.close()
                 del row
@@ -404,6 +306,8 @@ class Run:
                     self.profile(row)
         finally:
             for row in rows:
+                if isinstance(row, EngineRow) and row.breakdown():
+                    self.notes.append(f"{row.name}, per step: {row.breakdown()}")
                 row.close()
 
 
