@@ -210,8 +210,9 @@ def add_arguments(parser: Any) -> None:
                         help="offload.master_dtype: how the offloaded master params are stored (the config's, else "
                              "fp32; bf16 needs a bf16 or int8 state dtype)")
     parser.add_argument("--gradient-tier", choices=("auto", "host", "nvme"),
-                        help="offload.gradient_tier: stage 3's gradient accumulators with offload_optimizer nvme "
-                             "(the config's, else auto: nvme where they exceed the host budget)")
+                        help="offload.gradient_tier: stage 3's gradient accumulators (the config's, else auto: "
+                             "nvme where they exceed the host budget, with offload_optimizer nvme; nvme beside a cpu "
+                             "optimizer keeps its state in host memory)")
     parser.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"),
                         help="data_types.grad_accum_dtype: the offloaded gradient accumulators' dtype (the config's, "
                              "else fp32)")

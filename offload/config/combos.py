@@ -37,9 +37,9 @@ def check_combinations(config: Any) -> None:
         raise ConfigError("data_types.grad_accum_dtype \"bf16\" needs zero_optimization.offload_optimizer.device "
                           "cpu or nvme, without offload.delayed_update (its accumulators are the CPU step's)")
     if config.offload.gradient_tier == "nvme" and (
-            config.zero.stage != 3 or config.zero.offload_optimizer.device.value != "nvme"):
+            config.zero.stage != 3 or config.zero.offload_optimizer.device.value == "none"):
         raise ConfigError("offload.gradient_tier \"nvme\" needs zero_optimization.stage 3 with "
-                          "offload_optimizer.device nvme (stages 0-2 keep one flat gradient buffer as large "
+                          "offload_optimizer.device cpu or nvme (stages 0-2 keep one flat gradient buffer as large "
                           f"as the model; this config has stage {config.zero.stage}, offload_optimizer "
                           f"{config.zero.offload_optimizer.device.value}): set it \"host\" or \"auto\"")
 

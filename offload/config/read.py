@@ -84,10 +84,14 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     daemon = resolve_daemon_socket(offload)
     for dotted, offload_config in (("zero_optimization.offload_optimizer", zero.offload_optimizer),
                                    ("zero_optimization.offload_param", zero.offload_param)):
-        if offload_config.device is not OffloadDevice.NVME or daemon:  # a daemon swaps to its own paths
+        # the gradient accumulators on NVMe beside a cpu optimizer swap under its nvme_path ([Note: gradient tier])
+        grads = offload.gradient_tier == "nvme" and offload_config is zero.offload_optimizer
+        if (offload_config.device is not OffloadDevice.NVME and not grads) or daemon:  # a daemon swaps to its own paths
             continue
         if offload_config.nvme_path is None:
-            raise ConfigError(f"{dotted}.nvme_path=None: set it (a writable directory) when device is 'nvme', or "
+            when = "device is 'nvme'" if offload_config.device is OffloadDevice.NVME else \
+                "offload.gradient_tier is 'nvme' (the accumulators' swap file goes there)"
+            raise ConfigError(f"{dotted}.nvme_path=None: set it (a writable directory) when {when}, or "
                               "train through a node daemon (offload.daemon_socket or OFFLOAD_DAEMON_SOCKET), "
                               "which swaps to its own paths")
         _check_writable_dir(f"{dotted}.nvme_path", offload_config.nvme_path)

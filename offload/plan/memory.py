@@ -187,7 +187,12 @@ class OptimizerPlan:
         states = sum(align_up(b, PAGE) for b in tier.region_bytes[half:])
         what = f"{s.master_dtype} master + moments" + ("" if not s.compressed else f" ({s.state_dtype})")
         accumulators = f"{s.grad_accum_dtype} gradient accumulators"
-        if not s.nvme:
+        if not s.nvme and self.grads_nvme:  # [Note: accumulators alone on NVMe] in offload.plan.tier_plan
+            out = [Region(GRADS_ON_NVME_PART.replace("fp32", s.grad_accum_dtype), NVME, tier.swap_bytes),
+                   Region(what, HOST, states),
+                   Region(f"{s.grad_accum_dtype} gradient accumulators' window ({self.window} held)", HOST,
+                          tier.resident_bytes - states)]
+        elif not s.nvme:
             out = [Region(accumulators, HOST, grads), Region(what, HOST, states)]
         elif self.grads_nvme:
             out = [Region(GRADS_ON_NVME_PART.replace("fp32", s.grad_accum_dtype), NVME, grads), Region(what, NVME, states),
@@ -257,7 +262,7 @@ def _floor(layout: FlatLayout, buffer_count: int, grads_nvme: bool) -> int:
 def _tier(layout: FlatLayout, s: OptimizerSettings, *, window: int, grads_nvme: bool) -> TierPlan:
     fmt = StateFormat(s.state_dtype, s.master_dtype)
     plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=s.nvme,
-                      nvme_path=s.nvme_path if s.nvme else None, grads_nvme=grads_nvme, grad_itemsize=s.grad_itemsize,
+                      nvme_path=s.nvme_path if s.nvme or grads_nvme else None, grads_nvme=grads_nvme, grad_itemsize=s.grad_itemsize,
                       state_bytes=[fmt.state_bytes(sg) for sg in layout.sub_groups])
     return dataclasses.replace(plan, session_fixed_bytes=session_fixed_bytes(
         plan, compressed=s.compressed, max_elems=max((sg.numel for sg in layout.sub_groups), default=0)))
@@ -282,7 +287,7 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
             return None, "nothing (the daemon's pool could not be read)"
         return pool.rank_budget_bytes(local_ranks), f"1/{POOL_SHARE} of the daemon's pool"
 
-    grads_nvme = s.nvme and s.stage == 3 and gradients_on_nvme(  # [Note: gradient tier] in offload.zero.grad_tier
+    grads_nvme = s.stage == 3 and gradients_on_nvme(  # [Note: gradient tier] in offload.zero.grad_tier
         s.gradient_tier, stage=s.stage, optimizer_nvme=s.nvme, partition_numel=numel, budget=budget, log=log,
         host_memory_bytes=s.host_memory_bytes, grad_itemsize=s.grad_itemsize)
     floor = _floor(layout, s.buffer_count, grads_nvme)
@@ -306,6 +311,8 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
             window = window_size(bare.state_bytes, floor=floor, fixed_bytes=fixed,
                                  host_memory_bytes=s.host_memory_bytes, what="optimizer state", log=log,
                                  available=available, local_ranks=local_ranks)
+    elif grads_nvme:  # the state in host memory, the accumulators' window its least ([Note: accumulators alone on NVMe])
+        window = floor
     tier = _tier(layout, s, window=window, grads_nvme=grads_nvme)
     return OptimizerPlan(settings=s, tier=_sized(tier, s), window=window, grads_nvme=grads_nvme, floor=floor,
                          fixed_bytes=fixed)
@@ -336,7 +343,7 @@ def _sized(tier: TierPlan, s: OptimizerSettings) -> TierPlan:
     if tier.slot_bytes and not s.daemon:
         host = max(tier.resident_bytes, host // tier.slot_bytes * tier.slot_bytes)
     swap = 0
-    if s.nvme and not s.daemon:
+    if tier.nvme and not s.daemon:
         swap = align_up(s.swap_capacity_bytes or tier.swap_bytes, DEFAULT_STRIPE_BYTES)  # one swap file
     return dataclasses.replace(tier, host_capacity_bytes=align_up(host, PAGE), swap_capacity_bytes=swap)
 

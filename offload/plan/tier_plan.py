@@ -21,7 +21,10 @@ class TierPlan:
     """What the engine asks of its tier: sizes derived from the layout, and where to put files."""
 
     nvme: bool
-    """Swap space on NVMe (offload_optimizer nvme) or host only (cpu)."""
+    """Swap space on NVMe (offload_optimizer nvme, or cpu with the gradient tier on NVMe) or host only (cpu)."""
+    states_nvme: bool = True
+    """With ``nvme``: the state blocks go to NVMe too (offload_optimizer nvme); False: only the gradient
+    accumulators do ([Note: accumulators alone on NVMe])."""
     region_bytes: tuple[int, ...]
     """Every region the engine allocates, in bytes."""
     resident_bytes: int
@@ -82,8 +85,13 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
     plan's ``state_bytes`` are what one place holds)."""
     grads = [grad_itemsize * n for n in numels]
     states = list(state_bytes) if state_bytes is not None else [12 * n for n in numels]
-    if grads_nvme and not nvme:
-        raise ValueError("grads_nvme needs nvme")
+    if grads_nvme and not nvme:  # [Note: accumulators alone on NVMe]
+        slot = align_up(max(grads, default=PAGE), PAGE)
+        per_item = [align_up(b, PAGE) for b in states]
+        return TierPlan(nvme=True, region_bytes=tuple([slot] * len(grads) + states),
+                        resident_bytes=sum(per_item) + window * slot, swap_bytes=len(grads) * slot,
+                        nvme_path=nvme_path, state_bytes=tuple(per_item), grad_itemsize=grad_itemsize,
+                        states_nvme=False)
     if grads_nvme:
         slot = max((align_up(b, PAGE) for b in grads + states), default=PAGE)
         per_item = [2 * slot for _ in numels]
@@ -101,6 +109,14 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
     return TierPlan(nvme=nvme, region_bytes=tuple(grads + states), resident_bytes=resident, swap_bytes=swap,
                     nvme_path=nvme_path, state_bytes=tuple(per_item), grad_itemsize=grad_itemsize)
 
+
+# [Note: accumulators alone on NVMe]
+# Stage 3 with offload_optimizer cpu and offload.gradient_tier nvme: the state blocks stay in host memory
+# for good, and only the gradient accumulators go to NVMe, a window of them held (the largest models a
+# node trains are bound by host memory: at 30B, bf16 master and int8 moments take 114 GiB, bf16
+# accumulators 57 more). Every accumulator is given the largest one's size, page-rounded: the state
+# blocks are allocated once and never freed, so the only regions that come and go are of one size, and
+# the pool (the blocks and ``window`` such slots) never holds a hole too short for the next one.
 
 # [Note: one slot a region]
 # With the gradient tier on NVMe the window moves regions of two sizes (state blocks and gradient

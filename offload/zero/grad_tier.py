@@ -17,7 +17,9 @@ are regions of the optimizer's tier like the state blocks, moved by the same ``H
   and then dropped (clean: its evict writes nothing).
 
 So the gradients cost their bytes per parameter written and read per step on NVMe (more at each
-extra micro-step) and host memory for ``window`` of them. The clip norm is unchanged: it is
+extra micro-step) and host memory for ``window`` of them. With the optimizer on cpu ("nvme" only, not
+"auto") the state blocks stay in host memory and the accumulators alone go to NVMe, under
+``offload_optimizer.nvme_path`` ([Note: accumulators alone on NVMe] in offload.plan.tier_plan). The clip norm is unchanged: it is
 summed as the gradients land ([Note: landing] in offload.zero.optimizer). "auto" chooses NVMe
 for stage 3 with the optimizer on NVMe when the accumulators alone exceed the host budget the
 state window is sized from (``gradients_on_nvme``): through a daemon without
@@ -46,7 +48,8 @@ def gradients_on_nvme(setting: str, *, stage: int, optimizer_nvme: bool, partiti
                       host_memory_bytes: int | None, log: bool = True, grad_itemsize: int = 4,
                       budget: Callable[[], tuple[int | None, str]] | None = None) -> bool:
     """Whether ``offload.gradient_tier`` puts the accumulators on NVMe ([Note: gradient tier]).
-    "nvme" in a config that cannot (not stage 3 with the optimizer on NVMe) was refused when it was read.
+    "nvme" in a config that cannot (not stage 3 with the optimizer offloaded) was refused when it was read;
+    "auto" chooses NVMe only with the optimizer on NVMe.
     ``budget``: asked for (bytes or None, where from) in place of ``budget_bytes(host_memory_bytes)``, and only
     where "auto" has to judge (a daemon's pool: a STATUS round trip)."""
     if setting == "nvme":
@@ -68,10 +71,12 @@ class GradTier:
     """The accumulators of every sub-group as tier regions ``grad.<sg>``, at most ``window`` in host memory."""
 
     def __init__(self, tier: Any, layout: FlatLayout, *, window: int, name, kind: type[enum.Enum],
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, region_bytes: int | None = None) -> None:
         """``kind``: the state blocks' placement enum (``offload.zero.states.Placement``), whose HOST (before
-        the first evict), NVME, IN_FLIGHT and RESIDENT an accumulator moves between."""
+        the first evict), NVME, IN_FLIGHT and RESIDENT an accumulator moves between. ``region_bytes``: every
+        accumulator's region this large (None: its own size)."""
         self.tier = tier
+        self._region_bytes = region_bytes
         self._kind = kind
         self.dtype = dtype
         self.layout = layout
@@ -94,7 +99,7 @@ class GradTier:
     def allocate(self, sg: int) -> None:
         """A new accumulator, zeroed and sent to NVMe (so a read finds written, checksummed bytes)."""
         self._window.make_room()
-        self.tier.allocate(self._name(sg), self.dtype.itemsize * self.layout.sub_groups[sg].numel)
+        self.tier.allocate(self._name(sg), self._region_bytes or self.dtype.itemsize * self.layout.sub_groups[sg].numel)
         self._place[sg] = self._kind.RESIDENT
         self._view(sg).zero_()
         self._window.evict(sg)

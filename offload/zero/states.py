@@ -54,8 +54,8 @@ class StateStorage:
         ``grad_dtype``: the accumulators' (float32, or bfloat16 with an offloaded optimizer)."""
         if nvme and tier is None:
             raise ConfigError("NVMe offload needs a tier")
-        if grad_window is not None and not nvme:
-            raise ConfigError("gradient accumulators on NVMe need the optimizer state on NVMe")
+        if grad_window is not None and tier is None:
+            raise ConfigError("gradient accumulators on NVMe need the optimizer state offloaded (cpu or nvme)")
         if grad_dtype != torch.float32 and tier is None:
             raise ConfigError("bf16 gradient accumulators need the optimizer state offloaded (cpu or nvme)")
         self.grad_dtype = grad_dtype
@@ -73,9 +73,12 @@ class StateStorage:
         self._marked: set[int] = set()  # resident blocks marked dirty before they were written (will_write)
         self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
                                   label=lambda sg: f"sub-group {sg}", noun="blocks")
+        # beside state blocks resident for good, every accumulator takes the largest one's page-rounded size
+        # ([Note: accumulators alone on NVMe] in offload.plan.tier_plan)
+        slot = None if nvme else -(-max(sg.numel for sg in layout.sub_groups) * grad_dtype.itemsize // 4096) * 4096
         self.grads_tier = None if grad_window is None else GradTier(tier, layout, window=grad_window,
                                                                     name=self._grad_name, kind=Placement,
-                                                                    dtype=grad_dtype)
+                                                                    dtype=grad_dtype, region_bytes=slot)
 
     @property
     def io_wait_seconds(self) -> float:

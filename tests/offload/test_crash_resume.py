@@ -185,13 +185,15 @@ def test_rank_killed_inside_the_step_finishes_it_exactly(tmp_path, tmp_path_fact
     _resumed_alike(proc, ref, tmp_path, 16, "the step it was killed in finished from its committed inputs")
 
 
-@pytest.mark.parametrize("fault,step", [("kill-forward", 15), ("kill-after-sub-group", 16)])
-def test_gradients_on_nvme_survive_a_killed_rank(tmp_path, tmp_path_factory, daemon, fault, step):  # noqa: F811
+@pytest.mark.parametrize("fault,step,device", [("kill-forward", 15, "nvme"), ("kill-after-sub-group", 16, "nvme"),
+                                               ("kill-after-sub-group", 16, "cpu")])
+def test_gradients_on_nvme_survive_a_killed_rank(tmp_path, tmp_path_factory, daemon, fault, step, device):  # noqa: F811
     """Stage 3 with offload.gradient_tier nvme through the daemon: the accumulators a killed rank wrote back
     (or was reading in its step) are adopted from NVMe and the restart finishes bit-equal to an uninterrupted
-    run with resident ones ([Note: gradient tier] in offload.zero.grad_tier)."""
+    run with resident ones ([Note: gradient tier] in offload.zero.grad_tier); with the optimizer on cpu, its
+    state stays in the session's host memory ([Note: accumulators alone on NVMe] in offload.plan.tier_plan)."""
     ref = _reference(tmp_path_factory, 3)
-    proc = _run(tmp_path, "nvme", ranks=2, restarts=1, socket=daemon.socket_path, STAGE=3, GRADIENT_TIER="nvme",
+    proc = _run(tmp_path, device, ranks=2, restarts=1, socket=daemon.socket_path, STAGE=3, GRADIENT_TIER="nvme",
                 FAULT=fault, FAULT_STEP=15, FAULT_RANK=0)
     _resumed_alike(proc, ref, tmp_path, step)
     assert all(_final(tmp_path, r)["grads_on_nvme"] for r in range(2))

@@ -353,3 +353,30 @@ def test_hf_config_dtype_is_the_compute_dtype(tmp_path, capsys, key, dtype, nbyt
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_batch_size": 1, "zero_optimization": {"stage": 3}}))  # fp32
     assert _json_rows(capsys, *model, "--config", str(config)) == _json_rows(capsys, *model, "--dtype", "fp32")
+
+
+def test_a_30b_llama_fits_one_h200_node_with_the_accumulators_alone_on_nvme(capsys, tmp_path):
+    """Issue 39: a Llama of 30.4B (LLaMA 30B's widths, 56 layers) on 141 GB of GPU, 128 GiB of host memory
+    and 64 GiB of disk: bf16 master and int8 moments (114 GiB) stay in host memory and the bf16 gradient
+    accumulators (57 GiB) go to NVMe ([Note: accumulators alone on NVMe] in offload.plan.tier_plan); with
+    them in host memory too, no row fits."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 6656, "intermediate_size": 17920,
+        "num_hidden_layers": 56, "num_attention_heads": 52, "num_key_value_heads": 52, "vocab_size": 32000,
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    node = ["estimate", "--hf-config", str(tmp_path), "--gpu-gib", str(141e9 / 2 ** 30), "--host-gib", "128",
+            "--nvme-gib", "64", "--master-dtype", "bf16", "--state-dtype", "int8", "--grad-accum-dtype", "bf16",
+            "--stage", "3"]
+    assert main(node + ["--gradient-tier", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("30,388,746,752 parameters")
+    head, rows = _table(out)
+    col = {name: i for i, name in enumerate(head)}
+    fits = {tuple(r[:3]): r for r in rows if r[col["fits"]] == "yes"}
+    assert list(fits) == [("3", "cpu", "none")]
+    row = fits["3", "cpu", "none"]
+    assert float(row[col["NVMe GiB"]]) == pytest.approx(56.6, abs=0.1)  # the accumulators, 2 B/param
+    assert 114 < float(row[col["host GiB"]]) < 128 and float(row[col["device GiB"]]) < 141e9 / 2 ** 30
+    assert "the least offloading that fits: stage 3, offload_optimizer cpu, offload_param none" in out
+    assert main(node + ["--gradient-tier", "host"]) == 0
+    assert "no row fits" in capsys.readouterr().out

@@ -19,8 +19,10 @@ STEPS = 6
 
 
 def _config(tmp_path, tier: str, *, param_device: str = "nvme", gas: int = 1, state_dtype: str = "fp32",
-            **offload) -> dict:
-    config = w.config("nvme", param_device, str(tmp_path))
+            optimizer: str = "nvme", **offload) -> dict:
+    config = w.config(optimizer, param_device, str(tmp_path))
+    if optimizer == "cpu":  # the accumulators' swap file goes under the optimizer's nvme_path
+        config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path)
     config["train_batch_size"] = w.GLOBAL_BATCH * gas
     config["gradient_accumulation_steps"] = gas
     config["offload"] = {"gradient_tier": tier, "state_dtype": state_dtype, **offload}
@@ -57,20 +59,35 @@ def _grads_all_on_nvme(engine) -> None:
         assert storage.tier.info(f"grad.{sg.index}").tier.value == "nvme", sg.index
 
 
-@pytest.mark.parametrize("param_device,gas,state_dtype", [
-    ("nvme", 1, "fp32"), ("cpu", 2, "fp32"), ("nvme", 2, "int8"), ("cpu", 1, "bf16")])
-def test_gradients_on_nvme_train_bit_equal_to_resident_ones(tmp_path, param_device, gas, state_dtype):
-    """Clipping on; with two micro-steps the second adds to what the first wrote back (a read)."""
+@pytest.mark.parametrize("param_device,gas,state_dtype,optimizer", [
+    ("nvme", 1, "fp32", "nvme"), ("cpu", 2, "fp32", "nvme"), ("nvme", 2, "int8", "nvme"), ("cpu", 1, "bf16", "nvme"),
+    ("cpu", 2, "fp32", "cpu"), ("none", 2, "int8", "cpu"), ("cpu", 1, "bf16", "cpu")])
+def test_gradients_on_nvme_train_bit_equal_to_resident_ones(tmp_path, param_device, gas, state_dtype, optimizer):
+    """Clipping on; with two micro-steps the second adds to what the first wrote back (a read). With the
+    optimizer on cpu its state stays in host memory and only the accumulators go to NVMe ([Note: accumulators
+    alone on NVMe] in offload.plan.tier_plan)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    host = _train(_config(tmp_path / "a", "host", param_device=param_device, gas=gas, state_dtype=state_dtype),
-                  gas=gas)
-    nvme = _train(_config(tmp_path / "b", "nvme", param_device=param_device, gas=gas, state_dtype=state_dtype),
-                  gas=gas, inspect=_grads_all_on_nvme)
+    kw = dict(param_device=param_device, gas=gas, state_dtype=state_dtype, optimizer=optimizer)
+    host = _train(_config(tmp_path / "a", "host", **kw), gas=gas)
+    nvme = _train(_config(tmp_path / "b", "nvme", **kw), gas=gas,
+                  inspect=_grads_all_on_nvme if optimizer == "nvme" else _only_grads_on_nvme)
     assert host[2] is False and nvme[2] is True
     assert nvme[0] == host[0]
     assert all(torch.equal(a, b) for a, b in zip(nvme[1], host[1]))
     assert host[0][-1] < host[0][0]
+
+
+def _only_grads_on_nvme(engine) -> None:
+    """After a step with the optimizer on cpu: every accumulator on NVMe, every state block in host memory,
+    and each accumulator's region the largest one's size, page-rounded (one size that comes and goes)."""
+    _grads_all_on_nvme(engine)
+    storage = engine.adam.storage
+    sizes = {storage.tier.info(f"grad.{sg.index}").nbytes for sg in engine.layout.sub_groups}
+    largest = max(sg.numel for sg in engine.layout.sub_groups) * storage.grad_dtype.itemsize
+    assert sizes == {-(-largest // 4096) * 4096}
+    for sg in engine.layout.sub_groups:
+        assert storage.tier.info(f"state.{sg.index}").tier.value != "nvme", sg.index
 
 
 def test_the_accumulators_are_written_and_read_through_nvme(tmp_path):
@@ -131,8 +148,8 @@ def test_auto_keeps_stages_0_to_2_and_a_cpu_optimizer_resident():
 
 
 @pytest.mark.parametrize("zero", [{"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
-                                  {"stage": 3, "offload_optimizer": {"device": "cpu"}}])
-def test_nvme_gradients_outside_stage3_with_nvme_optimizer_are_an_error_naming_the_key(zero):
+                                  {"stage": 3, "offload_optimizer": {"device": "none"}}])
+def test_nvme_gradients_outside_stage3_with_an_offloaded_optimizer_are_an_error_naming_the_key(zero):
     with pytest.raises(ConfigError, match=r"offload.gradient_tier \"nvme\" needs zero_optimization.stage 3"):
         read_config({"train_batch_size": 8, "zero_optimization": zero, "offload": {"gradient_tier": "nvme"}}, world_size=1)
 
@@ -308,3 +325,10 @@ def test_a_cut_backward_keeps_what_it_added_on_nvme_as_in_host_memory(tmp_path):
     assert runs["nvme"][0] == runs["host"][0]
     assert all(torch.equal(a, b) for a, b in zip(runs["nvme"][1], runs["host"][1]))
     assert not all(torch.equal(a, b) for a, b in zip(runs["host"][1], uncut[1]))  # the cut's landing counted
+
+
+def test_nvme_gradients_beside_a_cpu_optimizer_need_its_nvme_path():
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    with pytest.raises(ConfigError, match=r"zero_optimization.offload_optimizer.nvme_path=None: set it .* when "
+                                          r"offload.gradient_tier is 'nvme'"):
+        read_config({"train_batch_size": 8, "zero_optimization": zero, "offload": {"gradient_tier": "nvme"}}, world_size=1)

@@ -84,6 +84,7 @@ class Choice:
     state_dtype: str = "fp32"
     master_dtype: str = "fp32"
     grad_accum_dtype: str = "fp32"
+    gradient_tier: str = "auto"
 
 
 CHOICES = (
@@ -92,6 +93,9 @@ CHOICES = (
     Choice("z1-opt-cpu-lean", 1, state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
     Choice("z3-opt-cpu-lean", 3, state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
     Choice("z3-param-cpu-lean", 3, param="cpu", state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
+    # the state in host memory, the accumulators on NVMe: written and read at every micro-batch
+    Choice("z3-opt-cpu-lean-grads-nvme", 3, state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16",
+           gradient_tier="nvme"),
     Choice("z3-opt-nvme-lean", 3, optimizer="nvme", state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
     Choice("z3-nvme-lean", 3, optimizer="nvme", param="nvme", state_dtype="int8", master_dtype="bf16",
            grad_accum_dtype="bf16"),
@@ -108,14 +112,16 @@ def engine_config(choice: Choice, *, micro_batch: int, accum: int, nvme_path: st
 
     zero = {"stage": choice.stage, "offload_optimizer": where(choice.optimizer, 4), "sub_group_size": 100_000_000,
             "reduce_bucket_size": 50_000_000}
+    if choice.gradient_tier == "nvme":  # the accumulators' swap file goes under the optimizer's nvme_path
+        zero["offload_optimizer"]["nvme_path"] = nvme_path
     if choice.stage == 3:
         zero["offload_param"] = where(choice.param, 5)
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accum,
               "steps_per_print": 10 ** 9, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0}},
               "zero_optimization": zero}
-    offload = {k: v for k, v in (("state_dtype", choice.state_dtype), ("master_dtype", choice.master_dtype))
-               if v != "fp32"}
+    offload = {k: v for k, v in (("state_dtype", choice.state_dtype), ("master_dtype", choice.master_dtype),
+                                 ("gradient_tier", choice.gradient_tier)) if v not in ("fp32", "auto")}
     if offload:
         config["offload"] = offload
     if choice.grad_accum_dtype != "fp32":
