@@ -32,8 +32,8 @@
 #            rows alternating with ours) -> $OUT/step_gpu_ds.md
 #   hf-8b, hf-14b  tools/bench/step_hf.py --model 8b / 14b: the Llama checkpoint written, ours with the
 #            estimate's config, then DeepSpeed fitted to the node, 3 measured steps each -> $OUT/step_hf_8b.md, ...
-#   hf-largest  step_hf.py --largest: the most layers at the 30b widths the estimate fits, ours, 3 steps
-#            -> $OUT/step_hf_largest.md
+#   hf-largest  step_hf.py --largest: the most layers at the 30b widths the estimate fits (90% of each memory),
+#            ours, 3 steps of 8 x 4096 tokens -> $OUT/step_hf_largest.md
 # The DeepSpeed stages put its wheels (.whl/deepspeed/, installed by setup into $SITE_DS) on their path only.
 # Every stage has a time limit, cut to what is left before DEADLINE seconds (default 580, inside the
 # tool's 600) have passed since the start: a hung or slow stage costs its limit, not the reports of
@@ -165,8 +165,11 @@ for stage in "${stages[@]}"; do
         --budget-seconds $((lim - 150)) --out "$OUT/step_hf_${stage#hf-}.table.md" ;;
     hf-largest)
       lim=$(limit_for 540)
+      # one micro-batch of 8 x 4096 a step: the largest row keeps its accumulators on NVMe, read and written
+      # at every micro-batch; 90% of each memory planned (the estimate is the engine's allocations, exactly)
       run_stage hf-largest "$lim" "$OUT/step_hf_largest.md" $PY tools/bench/step_hf.py --largest --contenders ours \
-        --steps 3 --nvme-path /tmp --budget-seconds $((lim - 200)) --out "$OUT/step_hf_largest.table.md" ;;
+        --steps 3 --micro-batch 8 --accum 1 --headroom 0.9 --nvme-path /tmp --budget-seconds $((lim - 200)) \
+        --out "$OUT/step_hf_largest.table.md" ;;
     *)
       echo "gpu_check: unknown stage $stage (setup tests fetch step step-nvme largest step-ds hf-8b hf-14b hf-largest)" | tee -a "$summary"
       status=2 ;;
