@@ -373,7 +373,7 @@ class Engine:
                 raise RuntimeError("the plain recorded step's record was not written before its all-reduce")
             self.adam.step_count += 1  # what prepare_step counts
             self.commit.record_multiplier(multiplier)
-            self.adam.step_states(multiplier, plan, progress=self.commit)
+            self.adam.step_states(multiplier, plan, progress=self.commit, publish_early=True)
             self.adam.publish()
         else:
             self.adam.step(multiplier)
