@@ -256,9 +256,9 @@ class Engine:
         self.reducer.begin(reduce=reduce, first=first, final=final)
         factor = self.scaler.scale / gas if scale_wrt_gas else self.scaler.scale
         (loss * factor if factor != 1.0 else loss).backward()
+        self.reducer.end()  # what lands here starts early steps too: [Note: the host runs ahead] in offload.zero.overlap
         if overlap is not None:
             overlap.backward_done()
-        self.reducer.end()
         self.wall_seconds["backward"] += time.perf_counter() - t0
         return loss
 

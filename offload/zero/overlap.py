@@ -54,8 +54,24 @@ backward. Where it is reduced across ranks (or copied off a GPU), it used to lan
 backward; with the overlap on, the reducer lands finished reductions (``Work.is_completed``, a
 copy's event) from the hooks, oldest first and stopping at the first unfinished one, so the
 landing order, and with it the sum of squares, is the one it lands in after backward. (gloo's
-reduce-scatter reports completion only once waited for, so with gloo, stages 1-2 still land,
-and step, after backward; its all-reduce (stage 0) and NCCL's collectives report it.)
+reduce-scatter reports completion only once waited for, so with gloo, stages 1-2 land only as
+``end`` waits for each reduction in turn; its all-reduce (stage 0) and NCCL's collectives report it.)
+
+[Note: the host runs ahead] Why the overlapped step gained nothing on a GPU (0.56 of torch's rate
+at ~1B on an H200, as the serial step), found from the code: on a GPU, autograd's backward
+*enqueues* kernels, and the host walks the graph, firing the hooks, far ahead of them (at 1B a
+micro-batch's backward is ~70 ms of GPU work and a few ms of the host's). So when a hook asked
+whether an earlier bucket's copy to the host had finished (its event), the GPU had not yet run
+that bucket's backward: nothing ever landed in a hook. ``backward()`` returned at once, and the
+watch was disarmed (``backward_done``) before ``reducer.end()``, which waited for every copy and
+landed them all: no sub-group was ever stepped early, and the whole CPU Adam ran after the GPU's
+backward, as in the serial step. Now the watch stays armed through ``end()``, which waits for each
+bucket's copy in the order backward produces them and lands it as soon as it is in: a sub-group
+whose last bucket is in starts on the worker while the host waits for the next copy and the GPU
+runs the rest of backward. The window is then the GPU's backward after the first sub-group
+completes (at 1B with 4 micro-batches, most of the last micro-batch's ~70 ms), less the rollback
+copies' share (1.1-1.7x an Adam pass over the same block). ``backward_done`` now marks the end of
+the last landing, so ``seconds_under_backward`` counts the time under the GPU's backward.
 
 Not supported: stage 3 (the update writes the param shards the hooks gather from), the state
 on the GPU (``offload_optimizer`` none: nothing to overlap), and ``offload.delayed_update``
