@@ -518,6 +518,7 @@ class Engine:
             skipped_steps=self.skipped_steps,
             step_seconds_under_backward_total=self.overlap.seconds_under_backward if self.overlap else 0.0,
             overlap_rollbacks=self.overlap.rollbacks if self.overlap else 0,
+            sub_groups_stepped_early_total=self.overlap.early_sub_groups if self.overlap else 0,
         )
 
     def close(self, *, keep_session: bool = False) -> None:

@@ -33,3 +33,6 @@ class EngineStats:
     (offload.overlap_step); the time after backward is ``step_seconds_total``."""
     overlap_rollbacks: int = 0
     """Steps whose sub-groups stepped under backward were undone (clipping, overflow)."""
+    sub_groups_stepped_early_total: int = 0
+    """Sub-groups stepped under backward and kept (offload.overlap_step): over ``optimizer_steps`` x the
+    sub-group count, the share of the CPU Adam the GPU's backward hid."""

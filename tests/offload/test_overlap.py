@@ -85,6 +85,7 @@ def test_fp32_matches_torch_and_the_ordinary_step(stage, device, gas, clip, tmp_
     _assert_same(params, plain_params)
     overlap, stats = seen["overlap"], seen["stats"]
     assert overlap.early_sub_groups > 0 and stats.step_seconds_under_backward_total > 0
+    assert stats.sub_groups_stepped_early_total == overlap.early_sub_groups
     assert stats.optimizer_steps == STEPS and stats.skipped_steps == 0
     if clip:  # some steps clipped after sub-groups were stepped early: undone, and the result still exact
         clipped = sum(n > clip for n in ref_norms)

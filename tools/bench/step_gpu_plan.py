@@ -52,6 +52,9 @@ class Contender:
     """offload.state_dtype: how the offloaded Adam moments are stored ("fp32", "bf16", "int8")."""
     grad_accum_dtype: str = "fp32"
     """data_types.grad_accum_dtype: the host gradient accumulators' type ("fp32", "bf16")."""
+    live_share: float | None = None
+    """Stage 3: ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance`` at this share of the model's
+    parameters (the GPU holding at most that much of it gathered at once)."""
     deepspeed: bool = False
     """DeepSpeed's engine on the same config keys (``step_deepspeed``), not ours."""
     ratio: float | None = None
@@ -68,6 +71,7 @@ CONTENDERS = (
     Contender(name="opt-cpu-int8", stage=1, optimizer="cpu", state_dtype="int8"),
     Contender(name="opt-cpu-lean", stage=1, optimizer="cpu", state_dtype="int8", grad_accum_dtype="bf16"),
     Contender(name="s3-param-cpu", stage=3, optimizer="cpu", param="cpu"),
+    Contender(name="s3-param-cpu-live25", stage=3, optimizer="cpu", param="cpu", live_share=0.25),
     Contender(name="s3-param-nvme", stage=3, optimizer="nvme", param="nvme"),
     Contender(name="ds-z2-opt-cpu", stage=2, optimizer="cpu", deepspeed=True),
     Contender(name="ds-z3-param-cpu", stage=3, optimizer="cpu", param="cpu", deepspeed=True),

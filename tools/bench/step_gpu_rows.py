@@ -17,7 +17,8 @@ from offload.models.gpt import GPT, GPTConfig
 __all__ = ["EngineRow", "TorchRow", "build", "engine_config"]
 
 
-def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str) -> dict:
+def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str, params: int = 0) -> dict:
+    """The engine's config for ``c``; ``params``: the model's count, which ``c.live_share`` takes a share of."""
     def where(device: str, buffers: int) -> dict:
         return {"device": device, **({"nvme_path": nvme_path, "buffer_count": buffers} if device == "nvme" else {})}
 
@@ -25,6 +26,8 @@ def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str) -> di
             "reduce_bucket_size": 50_000_000}
     if c.stage == 3:
         zero["offload_param"] = where(c.param, 5)
+    if c.live_share is not None:  # DeepSpeed's keys, its meaning: elements gathered at once, and kept for reuse
+        zero["stage3_max_live_parameters"] = zero["stage3_max_reuse_distance"] = int(c.live_share * params)
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accum,
               "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
@@ -70,12 +73,10 @@ class TorchRow:
 
 
 class EngineRow:
-    def __init__(self, c: Contender, model: GPT, device: torch.device, *, batch: int, accum: int,
-                 nvme_path: str) -> None:
+    def __init__(self, c: Contender, model: GPT, device: torch.device, config: dict) -> None:
         self.name = c.name
         self.device = device
-        self.engine, _, _, _ = initialize(model=model, config=engine_config(c, batch=batch, accum=accum,
-                                                                            nvme_path=nvme_path))
+        self.engine, _, _, _ = initialize(model=model, config=config)
         if self.engine.device.type != device.type:
             raise RuntimeError(f"the engine computes on {self.engine.device}, the bench asked for {device}")
         self.steps = 0
@@ -125,13 +126,16 @@ def build(c: Contender, gcfg: GPTConfig, device: torch.device, *, batch: int, ac
     """The contender's row, its model a copy of ``base`` (built here when None). ``meta``: a stage-3 model
     is built under ``offload.init_context`` (no process holds it whole; other weights than the plain
     build's) rather than on the host and copied in."""
+    with torch.device("meta"):
+        params = GPT(gcfg).num_parameters()
+    config = engine_config(c, batch=batch, accum=accum, nvme_path=nvme_path, params=params)
     if meta and c.stage == 3:
         from bench_capacity import GPT2Init
 
         from offload import init_context
 
         init = GPT2Init(gcfg.n_layer)
-        with init_context(engine_config(c, batch=batch, accum=accum, nvme_path=nvme_path), param_init_fn=init):
+        with init_context(config, param_init_fn=init):
             model = GPT(gcfg, seed=0)
         init.names.update((id(m), name) for name, m in model.named_modules())
     else:
@@ -139,6 +143,5 @@ def build(c: Contender, gcfg: GPTConfig, device: torch.device, *, batch: int, ac
     if not c.engine:
         return TorchRow(c, model, device)
     if c.deepspeed:
-        return DeepSpeedRow(c.name, model, device, ds_config(engine_config(c, batch=batch, accum=accum,
-                                                                         nvme_path=nvme_path), ratio=c.ratio))
-    return EngineRow(c, model, device, batch=batch, accum=accum, nvme_path=nvme_path)
+        return DeepSpeedRow(c.name, model, device, ds_config(config, ratio=c.ratio))
+    return EngineRow(c, model, device, config)

@@ -201,3 +201,19 @@ def test_deepspeeds_rows_are_skipped_saying_why_where_it_does_not_import(tmp_pat
     assert list(_rows(text)) == ["torch"]
     assert re.search(r"Skipped: ds-z2-opt-cpu \(deepspeed does not import: "
                      r"ModuleNotFoundError: No module named 'deepspeed'\)", text), text
+
+
+def test_the_live_quarter_row_holds_the_gathered_params_to_a_quarter(tmp_path):
+    """s3-param-cpu-live25: stage3_max_live_parameters and stage3_max_reuse_distance reach the engine at a
+    quarter of the model's parameters (DeepSpeed's keys, DeepSpeed's meaning)."""
+    from step_gpu_rows import build
+
+    gcfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64, tied_head=True)
+    c = step_gpu.BY_NAME["s3-param-cpu-live25"]
+    row = build(c, gcfg, torch.device("cpu"), batch=2, accum=1, nvme_path=str(tmp_path))
+    try:
+        params = GPT(gcfg, seed=0).num_parameters()
+        config = row.engine.stage3.coordinator.config
+        assert config.max_live_numel == config.max_reuse_distance_numel == params // 4
+    finally:
+        row.close()
