@@ -219,7 +219,7 @@ class OptimizerPlan:
                               f"{tier.resident_bytes} bytes the optimizer state needs in host memory at once; raise it "
                               "or lower sub_group_size")
         swap = self.settings.swap_capacity_bytes  # as configured: the file is then rounded up to whole stripes
-        if self.settings.nvme and not self.settings.daemon and swap is not None and swap < tier.swap_bytes:
+        if tier.nvme and not self.settings.daemon and swap is not None and swap < tier.swap_bytes:
             raise ConfigError(f"offload.swap_capacity_bytes ({self.settings.swap_capacity_bytes}) is below the "
                               f"{tier.swap_bytes} bytes of optimizer state to place on NVMe")
 

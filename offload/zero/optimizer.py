@@ -204,6 +204,8 @@ class PartitionedAdam:
         order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
         self.storage.prefetch(order)
         self._staging_free()
+        if not skip:  # (with ``skip``, the caller published what it stepped before: ``reset_publishing`` first)
+            self.reset_publishing()
         logged = progress is not None and self.undo is not None and self._on_host
         self.storage.prefetch_grads(order)
         for k, i in enumerate(order):
@@ -242,6 +244,13 @@ class PartitionedAdam:
     # has written it, under the next sub-group's pass, and ``publish`` makes the compute stream wait for them
     # all: the same bytes into the same places, the copies no longer after the step but under it. Not with
     # stage 3 (its shards are written in place) nor node-shared buffers (the ranks' barrier comes first).
+    def reset_publishing(self) -> None:
+        """A new step's publishing begins: copies a step cut short (an exception) started are waited for and
+        forgotten, so every sub-group goes over again."""
+        pending, self._publishing, self._fetched = self._publishing, [], set()
+        for p in pending:
+            self._fetcher.wait_sources(p)
+
     def publish_sub_groups(self, sgs: Iterable[int]) -> None:
         """Start the staged params of ``sgs``, stepped and final, for the device now, on the fetcher's H2D stream,
         where ``publish`` then only waits for them ([Note: publish as stepped]); elsewhere nothing: ``publish``
@@ -281,6 +290,7 @@ class PartitionedAdam:
         """The params from the fp32 masters (after a resume, when only the tier kept the state)."""
         order = range(len(self.layout.sub_groups))
         self._staging_free()
+        self.reset_publishing()
         for i in order:
             state = self.storage.acquire(i)
             self.storage.prefetch(order[i + 1:])

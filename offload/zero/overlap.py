@@ -333,6 +333,7 @@ class OverlappedStep:
             for sg in eager:
                 self.adam.storage.release(sg, dirty=True)
         self.early_sub_groups += len(eager)
+        self.adam.reset_publishing()
         self.adam.publish_sub_groups(eager)  # final now ([Note: publish as stepped] in offload.zero.optimizer)
         self.adam.step_states(grad_multiplier, plan, skip=frozenset(eager), progress=progress, publish_early=True)
         self.adam.publish()

@@ -105,3 +105,50 @@ def test_the_delayed_update_publishes_whole_at_the_next_boundary(monkeypatch):
     # the warm-up step is an ordinary one (each sub-group as it is stepped); the delayed ones go whole
     assert fetches[:n] == [(i,) for i in range(n)], fetches
     assert len(fetches) > n and all(f == tuple(range(n)) for f in fetches[n:]), fetches
+
+
+def test_a_step_cut_short_leaves_nothing_unpublished(monkeypatch, tmp_path):
+    """A step that raises after some sub-groups went over: the params written again from the masters (a
+    checkpoint loaded, say) all go over, those too, and equal the masters."""
+    from offload.builder import initialize
+    from tests.offload.harness import loss_fn
+
+    log: list = []
+    init = optimizer_module.PartitionedAdam.__init__
+
+    def patched_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._fetcher = RecordingFetcher(self, log)
+
+    monkeypatch.setattr(optimizer_module.PartitionedAdam, "__init__", patched_init)
+    model, _ = twin_models()
+    config = engine_config(stage=1, device="cpu", batch_size=BATCH, offload={"overlap_step": False})
+    config["zero_optimization"]["sub_group_size"] = 300
+    engine, _, _, _ = initialize(model=model, config=config)
+    try:
+        engine.adam.use_staging()  # a GPU model's staging buffer, on the CPU
+        step_one = engine.adam._step_sub_group
+
+        def failing(sg, *args, **kwargs):
+            if sg.index == 2:
+                raise RuntimeError("planted")
+            return step_one(sg, *args, **kwargs)
+
+        engine.adam._step_sub_group = failing
+        (x, y), = make_batches(1, BATCH)
+        engine.backward(loss_fn(engine(x), y))
+        with pytest.raises(RuntimeError, match="planted"):
+            engine.step()
+        assert [e for e in log if e[0] == "fetch"] == [("fetch", (0,)), ("fetch", (1,))]
+        log.clear()
+        engine.adam._step_sub_group = step_one
+        engine.adam.write_params_from_master()
+        n = len(engine.layout.sub_groups)
+        assert log == [("fetch", tuple(range(n)))]
+        for sg, state in engine.adam.iter_states():
+            master = engine.adam.storage.format.master(sg, state)
+            for p in sg.pieces:
+                flat = engine.adam.flat_params[p.flat_start:p.flat_start + p.numel]
+                assert torch.equal(flat, master[p.sub_start:p.sub_start + p.numel].to(flat.dtype))
+    finally:
+        engine.close()
