@@ -22,9 +22,6 @@ class TierPlan:
 
     nvme: bool
     """Swap space on NVMe (offload_optimizer nvme, or cpu with the gradient tier on NVMe) or host only (cpu)."""
-    states_nvme: bool = True
-    """With ``nvme``: the state blocks go to NVMe too (offload_optimizer nvme); False: only the gradient
-    accumulators do ([Note: accumulators alone on NVMe])."""
     region_bytes: tuple[int, ...]
     """Every region the engine allocates, in bytes."""
     resident_bytes: int
@@ -90,8 +87,7 @@ def plan_bytes(numels: list[int], *, window: int, nvme: bool, nvme_path: str | N
         per_item = [align_up(b, PAGE) for b in states]
         return TierPlan(nvme=True, region_bytes=tuple([slot] * len(grads) + states),
                         resident_bytes=sum(per_item) + window * slot, swap_bytes=len(grads) * slot,
-                        nvme_path=nvme_path, state_bytes=tuple(per_item), grad_itemsize=grad_itemsize,
-                        states_nvme=False)
+                        nvme_path=nvme_path, state_bytes=tuple(per_item), grad_itemsize=grad_itemsize)
     if grads_nvme:
         slot = max((align_up(b, PAGE) for b in grads + states), default=PAGE)
         per_item = [2 * slot for _ in numels]

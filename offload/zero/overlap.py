@@ -60,7 +60,8 @@ reduce-scatter reports completion only once waited for, so with gloo, stages 1-2
 [Note: the host runs ahead] Why the overlapped step gained nothing on a GPU (0.56 of torch's rate
 at ~1B on an H200, as the serial step), found from the code: on a GPU, autograd's backward
 *enqueues* kernels, and the host walks the graph, firing the hooks, far ahead of them (at 1B a
-micro-batch's backward is ~70 ms of GPU work and a few ms of the host's). So when a hook asked
+micro-batch's backward is ~70 ms of GPU work; the host's share, not yet measured, is what step_gpu's
+per-step breakdown shows as "backward s"). So when a hook asked
 whether an earlier bucket's copy to the host had finished (its event), the GPU had not yet run
 that bucket's backward: nothing ever landed in a hook. ``backward()`` returned at once, and the
 watch was disarmed (``backward_done``) before ``reducer.end()``, which waited for every copy and

@@ -14,7 +14,7 @@ from step_gpu_plan import Contender
 from offload.builder import initialize
 from offload.models.gpt import GPT, GPTConfig
 
-__all__ = ["EngineRow", "TorchRow", "build", "engine_config"]
+__all__ = ["EngineRow", "TorchRow", "build", "engine_config", "sync_device"]
 
 
 def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str, params: int = 0) -> dict:
@@ -43,7 +43,8 @@ def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str, param
     return config
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's; nothing on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -65,7 +66,7 @@ class TorchRow:
             (loss / len(micro)).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        _sync(self.device)
+        sync_device(self.device)
         return time.perf_counter() - t0, loss.item()
 
     def close(self) -> None:
@@ -88,7 +89,7 @@ class EngineRow:
             loss = self.engine(x, y)
             self.engine.backward(loss)
             self.engine.step()  # the optimizer step at the last micro-batch (the accumulation boundary)
-        _sync(self.device)
+        sync_device(self.device)
         dt = time.perf_counter() - t0
         if self._since is None:
             self._since = self._counters()

@@ -111,15 +111,10 @@ def _load_deepspeed(a, device):
     return row.engine, row.settings()
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def child(a) -> dict:
     import torch
+
+    from step_gpu_rows import sync_device
 
     from offload.runtime.host_heap import peak_resident_bytes
 
@@ -137,7 +132,7 @@ def child(a) -> dict:
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-        _sync(device)
+        sync_device(device)
         return time.perf_counter() - t, loss.item()
 
     started = time.perf_counter()
@@ -246,7 +241,10 @@ def driver(a) -> int:
     flops = model_flops_per_token(shape, seq=a.seq) * tokens
     work = tempfile.mkdtemp(prefix="bench-step-hf-", dir=a.nvme_path)
     results, skipped = [], []
-    lines = lambda: report(a, shape, total, tokens, flops, notes, results, skipped)  # noqa: E731
+
+    def lines() -> list[str]:
+        return report(a, shape, total, tokens, flops, notes, results, skipped)
+
     try:
         if choice is None and "ours" in a.contenders:
             skipped.append("ours (no row of the estimate fits)")
