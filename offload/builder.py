@@ -42,6 +42,7 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 from offload.zero.overlap import OverlappedStep, overlap_wanted
 from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.state_format import StateFormat
+from offload.zero.device_share import device_buckets, device_share
 from offload.zero.states import StateStorage
 from offload.zero.unit_grads import UnitGradReducer
 
@@ -311,13 +312,20 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             flat_grads = torch.zeros_like(flat_params)
 
     t0 = time.perf_counter()
-    plan = engine_optimizer_plan(cfg, layout) if offloaded else None  # [Note: memory plan] in offload.plan.memory
+    on_device = device_share(zero.offload_optimizer.ratio, layout, ranks.device, rank=ranks.rank) if offloaded else frozenset()
+    if on_device and len(on_device) == len(layout.sub_groups):  # nothing left to offload: as offload_optimizer none
+        on_device, offloaded, overlap, device_kind = frozenset(), False, False, OffloadDevice.NONE
+    plan = engine_optimizer_plan(cfg, layout, on_device=on_device) if offloaded else None  # [Note: memory plan] in offload.plan.memory
     window = plan.window if plan is not None else zero.offload_optimizer.buffer_count
     grads_nvme = plan is not None and plan.grads_nvme  # [Note: gradient tier] in offload.zero.grad_tier
     tier, verdict, payload, commit = _open_tier(cfg, plan, ranks) if plan is not None else (None, FRESH, None, None)
     logger.info("rank %d: optimizer state in %s", ranks.rank,
                 tier.placement if tier is not None else f"{ranks.device.type} memory (not offloaded)")
     try:
+        if tier is not None and tier.daemon and on_device:
+            raise ConfigError("zero_optimization.offload_optimizer.ratio below 1 is not supported with a node daemon "
+                              "(OFFLOAD_DAEMON_SOCKET is set): the device's share of the state would not outlive this "
+                              "process, and a restart could not resume it")
         if tier is not None and tier.daemon and device_kind == OffloadDevice.NVME:
             window = plan.reattached_window(tier.store)
         if tier is not None and ranks.device.type == "cuda":
@@ -326,7 +334,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                device=ranks.device, window=window,
                                state_format=StateFormat(cfg.offload.state_dtype, cfg.offload.master_dtype),
                                grad_window=window if grads_nvme else None,
-                               grad_dtype=torch.bfloat16 if cfg.data_types.grad_accum_dtype == "bf16" else torch.float32)
+                               grad_dtype=torch.bfloat16 if cfg.data_types.grad_accum_dtype == "bf16" else torch.float32,
+                               on_device=on_device)
         if verdict == FINISH:  # an overlapped step's early sub-groups ([Note: speculative step] in offload.checkpoint.resume)
             storage.keep_written(payload["step_record"][0].get("early", ()))
         if verdict in (RESUME, FINISH, ROLLBACK):
@@ -354,7 +363,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         reducer = UnitGradReducer(layout, params, group=ranks.group, comm_world=ranks.world_size, land=adam.land,
                                   fetcher=fetcher) \
             if stage3 else GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
-                                       comm_world=ranks.world_size, land=adam.land, fetcher=fetcher, node=node)
+                                       comm_world=ranks.world_size, land=adam.land, fetcher=fetcher, node=node,
+                                       device_buckets=device_buckets(layout, on_device))
         scheduler = _scheduler(lr_scheduler, cfg, facade)
         loader = _dataloader(training_data, cfg, ranks, collate_fn) if training_data is not None else None
         engine = Engine(module=model, config=cfg, ranks=ranks, layout=layout, flat_params=flat_params, reducer=reducer,

@@ -32,6 +32,8 @@ def check_combinations(config: Any) -> None:
                           "bytes a parameter): set offload.state_dtype too, or master_dtype \"fp32\"")
     if config.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
         _overlap_step_supported(config)
+    if config.zero.offload_optimizer.ratio != 1.0:  # [Note: GPU-resident share] in offload.zero.device_share
+        _ratio_supported(config)
     if config.data_types.grad_accum_dtype == "bf16" and (
             not _offloaded(config.zero.offload_optimizer.device) or config.offload.delayed_update):
         raise ConfigError("data_types.grad_accum_dtype \"bf16\" needs zero_optimization.offload_optimizer.device "
@@ -55,3 +57,25 @@ def _overlap_step_supported(config: Any) -> None:
     if config.zero.stage == 3:
         raise ConfigError("offload.overlap_step is not supported with zero_optimization.stage 3 (the step "
                           "writes the param shards that backward's hooks gather from): set it false or \"auto\"")
+
+
+def _ratio_supported(config: Any) -> None:
+    """``offload_optimizer.ratio`` below 1 (or "auto") in a combination it cannot run in: a ConfigError that
+    says which."""
+    key = "zero_optimization.offload_optimizer.ratio"
+    what = f"{key} {config.zero.offload_optimizer.ratio!r}"
+    if not _offloaded(config.zero.offload_optimizer.device):
+        raise ConfigError(f"{what} needs offload_optimizer.device cpu or nvme (with none the whole state is on the "
+                          "device already): drop the key or offload the optimizer")
+    if config.zero.stage == 3:
+        raise ConfigError(f"{what} is not supported with zero_optimization.stage 3 yet (the GPU-resident share "
+                          "runs at stages 0-2): set it 1.0 or use stage 2")
+    if config.offload.delayed_update:
+        raise ConfigError(f"{what} and offload.delayed_update are exclusive (the delayed update steps the whole "
+                          "state beside the next forward): turn one of them off")
+    if config.offload.state_dtype != "fp32" or config.offload.master_dtype != "fp32":
+        raise ConfigError(f"{what} needs offload.state_dtype and offload.master_dtype \"fp32\" (the device's share "
+                          "is stepped by torch's fused AdamW, in fp32)")
+    if config.offload.daemon_socket:
+        raise ConfigError(f"{what} is not supported with a node daemon (offload.daemon_socket): the device's share "
+                          "of the state would not outlive this process, and a restart could not resume it")

@@ -152,8 +152,8 @@ ZERO = KeyTable(
 
 OFFLOAD_OPTIMIZER = KeyTable(
     acted=_same("device", "nvme_path", "pin_memory", "buffer_count", "pipeline_read", "pipeline_write",
-                "fast_init"),
-    special=frozenset({"ratio"}),  # partial offload (< 1.0) is an error; 1.0 is what we do
+                "fast_init", "ratio"),
+    auto=frozenset({"ratio"}),  # sized from the GPU memory left (offload.zero.device_share)
     ignored=frozenset({"super_offload", "cpuadam_cores_perc", "convert_grad_on_cpu"}),
 )
 

@@ -451,13 +451,6 @@ def _offload(zero: _Section, key: str, legacy_key: str, cls: type) -> Any:
         if legacy:
             raise ConfigError(f"{zero.dotted(legacy_key)} and {zero.dotted(key)} are both given; "
                               f"keep {zero.dotted(key)}")
-        if section.has("ratio"):
-            ratio = section.get("ratio")
-            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-                raise ConfigError(f"{section.dotted('ratio')} must be a number in [0, 1], got {ratio!r}")
-            if ratio < 1.0:
-                raise ConfigError(f"{section.dotted('ratio')}={ratio!r}: partial offload is DeepSpeed stage 3 "
-                                  "Twin-Flow; this engine offloads all of the optimizer (ratio 1.0)")
         return _build(cls, section, zero.dotted(key))
     if legacy:
         return cls(device=OffloadDevice.CPU, **({"pin_memory": pin} if pin is not None else {}))

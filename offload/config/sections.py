@@ -234,10 +234,19 @@ class OffloadOptimizerConfig(_OffloadTarget):
     """NVMe: write sub-group i-1 back while stepping i."""
     fast_init: bool = False
     """NVMe: initialise the swapped states without a host round trip per sub-group."""
+    ratio: float | str = 1.0
+    """The share of the optimizer state offloaded, in [0, 1] (DeepSpeed's Twin-Flow): the rest, the
+    sub-groups the next forward needs first, stays on the model's device and is stepped there by torch's
+    fused AdamW. "auto": sized from the GPU memory left ([Note: GPU-resident share] in
+    offload.zero.device_share). 1.0, the default: all of it offloaded."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _bool(self, "pipeline_read", "pipeline_write", "fast_init")
+        if self.ratio != "auto":
+            if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0.0 <= self.ratio <= 1.0:
+                _fail(self, "ratio", 'a number in [0, 1] or "auto"')
+            object.__setattr__(self, "ratio", float(self.ratio))
 
 
 @dataclass(frozen=True, kw_only=True)

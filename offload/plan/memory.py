@@ -34,7 +34,7 @@ from offload.plan.budget import budget_bytes, window_size
 from offload.plan.daemon_pool import POOL_ERRORS, POOL_SHARE, DaemonPool, local_ranks_here, read_pool, reattached_window
 from offload.plan.tier_plan import PAGE, TierPlan, plan_bytes
 from offload.zero.grad_tier import gradients_on_nvme
-from offload.zero.layout import FlatLayout
+from offload.zero.layout import FlatLayout, SubGroup
 from offload.zero.state_format import StateFormat
 from offload.checkpoint.resume import COMMIT_BYTES, undo_slots
 from swap import align_up
@@ -248,37 +248,40 @@ def _undo_bytes(tier: TierPlan, *, compressed: bool, max_elems: int) -> int:
     return align_up(undo_bytes(undo_slots(), max_elems), PAGE)
 
 
-def _floor(layout: FlatLayout, buffer_count: int, grads_nvme: bool) -> int:
+def _floor(sgs: Sequence[SubGroup], buffer_count: int, grads_nvme: bool) -> int:
     floor = buffer_count
     if grads_nvme:  # a bucket's pieces land in one pass, so all its sub-groups' accumulators are in at once
         spans: dict[int, set[int]] = {}
-        for sg in layout.sub_groups:
+        for sg in sgs:
             for piece in sg.pieces:
                 spans.setdefault(piece.bucket, set()).add(sg.index)
         floor = max(floor, 1 + max((len(s) for s in spans.values()), default=1))
     return floor
 
 
-def _tier(layout: FlatLayout, s: OptimizerSettings, *, window: int, grads_nvme: bool) -> TierPlan:
+def _tier(sgs: Sequence[SubGroup], s: OptimizerSettings, *, window: int, grads_nvme: bool) -> TierPlan:
     fmt = StateFormat(s.state_dtype, s.master_dtype)
-    plan = plan_bytes([sg.numel for sg in layout.sub_groups], window=window, nvme=s.nvme,
+    plan = plan_bytes([sg.numel for sg in sgs], window=window, nvme=s.nvme,
                       nvme_path=s.nvme_path if s.nvme or grads_nvme else None, grads_nvme=grads_nvme, grad_itemsize=s.grad_itemsize,
-                      state_bytes=[fmt.state_bytes(sg) for sg in layout.sub_groups])
+                      state_bytes=[fmt.state_bytes(sg) for sg in sgs])
     return dataclasses.replace(plan, session_fixed_bytes=session_fixed_bytes(
-        plan, compressed=s.compressed, max_elems=max((sg.numel for sg in layout.sub_groups), default=0)))
+        plan, compressed=s.compressed, max_elems=max((sg.numel for sg in sgs), default=0)))
 
 
 def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: DaemonPool | None = None,
-                   local_ranks: int = 1, log: bool = True, available: int | None = None) -> OptimizerPlan:
+                   local_ranks: int = 1, log: bool = True, available: int | None = None,
+                   on_device: frozenset[int] = frozenset()) -> OptimizerPlan:
     """The optimizer tier's plan for ``layout`` (offloaded: ``settings.device`` cpu or nvme). ``pool``: the
     daemon's, where ``settings.through_pool`` (None: it could not be read, and the window takes its floor);
     ``local_ranks``: the job's ranks on the node, sharing the pool or the memory available; ``available``:
     the host memory available in bytes (None: this machine's now; ``offload estimate --host-gib`` gives
-    the machine's it asks about)."""
+    the machine's it asks about); ``on_device``: sub-groups kept on the model's device, not the tier's
+    ([Note: GPU-resident share] in offload.zero.device_share)."""
     s = settings
+    sgs = [sg for sg in layout.sub_groups if sg.index not in on_device]
     if s.device not in ("cpu", NVME):
         raise ConfigError(f"the optimizer's tier is planned for offload_optimizer.device cpu or nvme, got {s.device!r}")
-    numel = sum(sg.numel for sg in layout.sub_groups)
+    numel = sum(sg.numel for sg in sgs)
 
     def budget() -> tuple[int | None, str]:  # asked only where gradient_tier "auto" has to judge
         if not s.through_pool:
@@ -290,10 +293,10 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
     grads_nvme = s.stage == 3 and gradients_on_nvme(  # [Note: gradient tier] in offload.zero.grad_tier
         s.gradient_tier, stage=s.stage, optimizer_nvme=s.nvme, partition_numel=numel, budget=budget, log=log,
         host_memory_bytes=s.host_memory_bytes, grad_itemsize=s.grad_itemsize)
-    floor = _floor(layout, s.buffer_count, grads_nvme)
+    floor = _floor(sgs, s.buffer_count, grads_nvme)
     window, fixed = s.buffer_count, 0
     if s.nvme:
-        bare = _tier(layout, s, window=0, grads_nvme=grads_nvme)
+        bare = _tier(sgs, s, window=0, grads_nvme=grads_nvme)
         fixed = bare.resident_bytes  # what stays resident with no block held: the accumulators (none on NVMe)
         if s.through_pool and pool is not None:
             window, got = pool.window(bare.state_bytes, floor=floor, local_ranks=local_ranks,
@@ -313,12 +316,13 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
                                  available=available, local_ranks=local_ranks)
     elif grads_nvme:  # the state in host memory, the accumulators' window its least ([Note: accumulators alone on NVMe])
         window = floor
-    tier = _tier(layout, s, window=window, grads_nvme=grads_nvme)
+    tier = _tier(sgs, s, window=window, grads_nvme=grads_nvme)
     return OptimizerPlan(settings=s, tier=_sized(tier, s), window=window, grads_nvme=grads_nvme, floor=floor,
                          fixed_bytes=fixed)
 
 
-def engine_optimizer_plan(cfg: Any, layout: FlatLayout, *, log: bool = True) -> OptimizerPlan:
+def engine_optimizer_plan(cfg: Any, layout: FlatLayout, *, log: bool = True,
+                          on_device: frozenset[int] = frozenset()) -> OptimizerPlan:
     """The plan the builder opens the optimizer's tier from: ``plan_optimizer`` for an ``EngineConfig``,
     the daemon's pool read (STATUS) where it is the budget, over LOCAL_WORLD_SIZE ranks."""
     from offload.config import resolve_daemon_socket
@@ -330,7 +334,7 @@ def engine_optimizer_plan(cfg: Any, layout: FlatLayout, *, log: bool = True) -> 
             pool = read_pool(resolve_daemon_socket(cfg.offload))
         except POOL_ERRORS as exc:
             logger.info("the daemon's pool could not be read (%s): the window takes buffer_count", exc)
-    plan = plan_optimizer(layout, settings, pool=pool, local_ranks=local_ranks_here(), log=log)
+    plan = plan_optimizer(layout, settings, pool=pool, local_ranks=local_ranks_here(), log=log, on_device=on_device)
     plan.check()
     return plan
 

@@ -52,11 +52,13 @@ class GradReducer:
 
     def __init__(self, layout: FlatLayout, flat_grads: torch.Tensor, params: Sequence[torch.nn.Parameter], *,
                  stage: int, group: dist.ProcessGroup | None, comm_world: int, land: Land, fetcher: Any = None,
-                 node: NodeBuffers | None = None) -> None:
+                 node: NodeBuffers | None = None, device_buckets: frozenset[int] = frozenset()) -> None:
         """``fetcher`` (``offload.gpu.Fetcher``; a GPU model whose optimizer state is on the host): reduced
         buckets go to pinned host buffers on its D2H stream while backward goes on, and land after it.
         ``node`` (stages 1-2, ranks of one node): ``flat_grads`` is this rank's buffer in it, and the
-        shards are summed from the ranks' buffers after backward ([Note: node-shared buffers])."""
+        shards are summed from the ranks' buffers after backward ([Note: node-shared buffers]).
+        ``device_buckets``: buckets whose shard lands in device-resident accumulators only; they land from the
+        device, never copied to the host ([Note: GPU-resident share] in offload.zero.device_share)."""
         self.layout = layout
         self.flat_grads = flat_grads
         self.params = list(params)
@@ -65,6 +67,7 @@ class GradReducer:
         self.comm_world = comm_world
         self._land = land
         self._fetcher = fetcher
+        self._device_buckets = device_buckets
         self._node = node if comm_world > 1 and stage >= 1 else None
         self._host: dict[int, torch.Tensor] = {}  # bucket -> pinned host copy of its reduced gradient
         self._offloading: list[tuple[Bucket, torch.Tensor, Any]] = []  # D2H in flight: (bucket, host, pending)
@@ -161,7 +164,7 @@ class GradReducer:
         self._launched[b.index] = True
         buf = self.flat_grads[b.start:b.start + b.numel]
         if self.comm_world == 1:
-            if self._fetcher is not None and buf.is_cuda:
+            if self._fetcher is not None and buf.is_cuda and b.index not in self._device_buckets:
                 self._start_offload(b, buf)
                 return
             if self._stealing:
@@ -216,7 +219,7 @@ class GradReducer:
 
     def _reduced(self, b: Bucket, shard: torch.Tensor) -> None:
         """A bucket whose reduction has finished: to the host (a GPU model) or landed."""
-        if self._fetcher is not None and shard.is_cuda:
+        if self._fetcher is not None and shard.is_cuda and b.index not in self._device_buckets:
             self._start_offload(b, shard)
             return
         in_place = self.stage == 0  # the all-reduced bucket is the flat buffer's own

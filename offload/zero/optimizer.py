@@ -96,13 +96,18 @@ class PartitionedAdam:
         self._after_step = after_step
         self.step_count = 0
         self.sumsq = 0.0
+        self._sumsq_device: torch.Tensor | None = None  # the device-resident accumulators' share, read at the step
         self.undo: Any = None
         """``cpu_adam.undo.UndoLog`` (with the daemon; ``offload.zero.block_undo.BlockUndo`` for compressed
         states): recorded steps log their passes in it."""
         self.landed: Callable[[Bucket], None] | None = None
         """Told of each bucket landed at a cycle's last micro-step (``offload.zero.overlap``)."""
         self._on_host = storage.tier is not None or storage.device.type == "cpu"
-        if not self._on_host and not bias_correction:
+        """Some of the state is stepped by cpu_adam (all but ``storage.on_device``'s sub-groups, with a tier)."""
+        self._on_device = storage.on_device if storage.tier is not None else frozenset()
+        """Sub-groups of an offloaded optimizer kept on the device ([Note: GPU-resident share] in
+        offload.zero.device_share): stepped by torch's fused AdamW, their params written in place."""
+        if (not self._on_host or self._on_device) and not bias_correction:
             raise ConfigError("optimizer.params.bias_correction false is not supported with the optimizer "
                               "state on a GPU (torch's Adam always corrects): offload it to cpu or nvme")
         self._fetcher = fetcher
@@ -151,8 +156,13 @@ class PartitionedAdam:
                     dst.copy_(src)
                 else:
                     dst.add_(src)
-                if final:
+                if not final:
+                    continue
+                if dst.is_cpu:
                     self.sumsq += _sumsq(dst, self.num_threads)
+                else:  # kept on the device, read once at the step ([Note: GPU-resident share])
+                    part = dst.double().square().sum()
+                    self._sumsq_device = part if self._sumsq_device is None else self._sumsq_device.add_(part)
         for sg, _ in pieces:  # (with the gradient tier on NVMe, a sub-group's last piece sends it back)
             self.storage.grad_landed(sg)
         if final and self.landed is not None:
@@ -162,6 +172,9 @@ class PartitionedAdam:
     def global_sumsq(self) -> float:
         """The sum of squares of the whole (summed, scaled) gradient, over all ranks; resets the tally."""
         total, self.sumsq = self.sumsq, 0.0
+        if self._sumsq_device is not None:
+            total += float(self._sumsq_device.item())
+            self._sumsq_device = None
         if self.gather and self.comm_world > 1:
             t = torch.tensor([total], dtype=torch.float64)
             if self.flat_params.device.type == "cuda":
@@ -202,6 +215,8 @@ class PartitionedAdam:
         ``publish`` follows at once (nothing reads the params meanwhile), so each sub-group's params start for
         the device as soon as it is stepped ([Note: publish as stepped])."""
         order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
+        if self._on_device:  # enqueued on the device first, so that its Adam runs under the host's
+            order = [i for i in order if i in self._on_device] + [i for i in order if i not in self._on_device]
         self.storage.prefetch(order)
         self._staging_free()
         if not skip:  # (with ``skip``, the caller published what it stepped before: ``reset_publishing`` first)
@@ -221,7 +236,7 @@ class PartitionedAdam:
                     self.undo.begin()
                 progress.sub_group_started(i)
             self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan,
-                                 logged=(resume and k == 0) if logged else None, grad=grad)
+                                 logged=(resume and k == 0) if logged and i not in self._on_device else None, grad=grad)
             if publish_early:
                 self.publish_sub_groups([i])
             self.storage.release(i, dirty=True)
@@ -257,7 +272,7 @@ class PartitionedAdam:
         copies everything."""
         if self._fetcher is None or self._staging is None or self._params_out is not None or self._node is not None:
             return
-        sgs = [i for i in sgs if i not in self._fetched]
+        sgs = [i for i in sgs if i not in self._fetched and i not in self._on_device]
         if sgs:
             self._publishing.append(self._fetcher.start_fetch(self._staged_pairs(sgs)))
             self._fetched.update(sgs)
@@ -297,7 +312,8 @@ class PartitionedAdam:
             sg = self.layout.sub_groups[i]
             master = self.storage.format.master(sg, state)
             for p in sg.pieces:
-                self._out(p).copy_(master[p.sub_start:p.sub_start + p.numel])
+                out = self._flat_out(p) if i in self._on_device else self._out(p)
+                out.copy_(master[p.sub_start:p.sub_start + p.numel])
             self.storage.release(i, dirty=False)
         self.storage.drain()
         if self._staging is not None:
@@ -311,6 +327,11 @@ class PartitionedAdam:
         return AdamConfig(lr=float(g["lr"]), beta1=beta1, beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
                           adamw_mode=self.adamw_mode, bias_correction=self.bias_correction,
                           num_threads=self.num_threads)
+
+    def _flat_out(self, piece: Piece) -> torch.Tensor:
+        """Where a device-resident piece's new params go: the flat buffer, in place (stepped after backward,
+        before anything reads them again)."""
+        return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
     def _out(self, piece: Piece) -> torch.Tensor:
         if self._params_out is not None:
@@ -342,18 +363,20 @@ class PartitionedAdam:
             # a later one is asked for, so each piece is stepped before the next is asked for
             for pieces in ([p] for p in in_group) if self._params_out is not None else [in_group]:
                 self._step_pieces(pieces, master, grad, exp_avg, exp_avg_sq, plan.hypers[group], mult,
-                                  plan.step_count, None if logged is None else (call, logged))
+                                  plan.step_count, None if logged is None else (call, logged),
+                                  host=self._on_host and sg.index not in self._on_device)
                 call += 1
 
     def _step_pieces(self, pieces: list[Piece], master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, hyper: AdamConfig, mult: float, step_count: int,
-                     logged: tuple[int, bool] | None = None) -> None:
+                     logged: tuple[int, bool] | None = None, host: bool = True) -> None:
+        """``host``: cpu_adam steps the pieces, else torch's fused Adam (their state is on the device)."""
         cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
         masters = [master[a:b] for a, b in cut]
         grads = [grad[a:b] for a, b in cut]
         ms = [exp_avg[a:b] for a, b in cut]
         vs = [exp_avg_sq[a:b] for a, b in cut]
-        outs = [self._out(p) for p in pieces]
+        outs = [self._out(p) if host else self._flat_out(p) for p in pieces]
         if logged is not None:  # (call, resume): [Note: restartable step] in offload.checkpoint.resume
             steps = [torch.full((1,), float(step_count)) for _ in pieces]
             restored = self.undo.step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs,
@@ -361,7 +384,7 @@ class PartitionedAdam:
             if restored:
                 logger.warning("rank %d: %d piece(s) a killed Adam pass left half written restored from the undo log",
                                self.layout.rank, restored)
-        elif self._on_host:
+        elif host:
             steps = [torch.full((1,), float(step_count)) for _ in pieces]
             adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
         else:
@@ -392,7 +415,7 @@ class PartitionedAdam:
                 for i in sgs for p in self.layout.sub_groups[i].pieces]
 
     def _copy_staging_to_device(self) -> None:
-        rest = [i for i in range(len(self.layout.sub_groups)) if i not in self._fetched]
+        rest = [i for i in range(len(self.layout.sub_groups)) if i not in self._fetched and i not in self._on_device]
         self._fetched = set()
         if self._fetcher is None:
             for dst, src in self._staged_pairs(rest):

@@ -227,6 +227,8 @@ class OverlappedStep:
                 self._ready(sg)
 
     def _ready(self, sg: int) -> None:
+        if sg in self.adam.storage.on_device:  # stepped on the device after backward ([Note: GPU-resident share])
+            return
         if self._hopeless or not self._hopeful():
             self._hopeless = True
             return

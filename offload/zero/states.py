@@ -12,6 +12,8 @@ nvme they are regions of the tier (the embedded ``TierStore`` or the daemon's
 ``TierClient``: the same verbs), seen through ``host_view`` with no copy. With nvme the
 state blocks go back to NVMe after each step and are prefetched for the next one, at
 most ``window`` of them in host memory at once (``offload.zero.window.HostWindow``).
+With ``on_device`` (``offload_optimizer.ratio`` below 1) those sub-groups are device tensors, as with
+none, while the others are the tier's ([Note: GPU-resident share] in offload.zero.device_share).
 """
 from __future__ import annotations
 
@@ -49,16 +51,22 @@ class StateStorage:
 
     def __init__(self, layout: FlatLayout, *, tier: Any | None, nvme: bool, device: torch.device,
                  window: int, prefix: str = "", state_format: StateFormat | None = None,
-                 grad_window: int | None = None, grad_dtype: torch.dtype = torch.float32) -> None:
+                 grad_window: int | None = None, grad_dtype: torch.dtype = torch.float32,
+                 on_device: frozenset[int] = frozenset()) -> None:
         """``grad_window``: the accumulators go to NVMe too, this many of them in host memory at most.
-        ``grad_dtype``: the accumulators' (float32, or bfloat16 with an offloaded optimizer)."""
+        ``grad_dtype``: the accumulators' (float32, or bfloat16 with an offloaded optimizer).
+        ``on_device``: sub-groups whose state and (fp32) accumulator are tensors on ``device`` even so."""
         if nvme and tier is None:
             raise ConfigError("NVMe offload needs a tier")
         if grad_window is not None and tier is None:
             raise ConfigError("gradient accumulators on NVMe need the optimizer state offloaded (cpu or nvme)")
         if grad_dtype != torch.float32 and tier is None:
             raise ConfigError("bf16 gradient accumulators need the optimizer state offloaded (cpu or nvme)")
+        if on_device and tier is not None and not (state_format or StateFormat()).fp32:
+            raise ConfigError("a device-resident share of the optimizer state needs fp32 states and masters")
         self.grad_dtype = grad_dtype
+        self.on_device = frozenset(on_device) if tier is not None else frozenset(range(len(layout.sub_groups)))
+        """Sub-groups whose state is a tensor on ``device`` (all of them without a tier)."""
         self.layout = layout
         self.tier = tier
         self.nvme = nvme
@@ -69,7 +77,7 @@ class StateStorage:
         if tier is None and not self.format.fp32:
             raise ConfigError("offload.state_dtype bf16/int8 needs the optimizer state offloaded (cpu or nvme)")
         self._tensors: dict[str, torch.Tensor] = {}  # device tensors (none), or cached host views (cpu)
-        self._placement = [Placement.DEVICE if tier is None else Placement.HOST for _ in layout.sub_groups]
+        self._placement = [Placement.DEVICE if sg.index in self.on_device else Placement.HOST for sg in layout.sub_groups]
         self._marked: set[int] = set()  # resident blocks marked dirty before they were written (will_write)
         self._window = HostWindow(tier, self._placement, Placement, size=self.window, name=self._state_name,
                                   label=lambda sg: f"sub-group {sg}", noun="blocks")
@@ -106,7 +114,7 @@ class StateStorage:
         With nvme each state block is written to NVMe as soon as it is filled."""
         for sg in self.layout.sub_groups:
             n = sg.numel
-            if self.tier is None:
+            if sg.index in self.on_device:
                 self._tensors[self._state_name(sg.index)] = torch.zeros(3 * n, dtype=torch.float32, device=self.device)
                 self._tensors[self._grad_name(sg.index)] = torch.zeros(n, dtype=torch.float32, device=self.device)
             else:
@@ -120,7 +128,7 @@ class StateStorage:
                 self._placement[sg.index] = Placement.RESIDENT if self.nvme else Placement.HOST
                 self.state(sg.index).zero_()
             fill_master(sg, self.format.master(sg, self.state(sg.index)))
-            if self.nvme:
+            if self.nvme and sg.index not in self.on_device:
                 self.release(sg.index, dirty=True)
         self.drain()
 
@@ -128,6 +136,8 @@ class StateStorage:
         """Take over the regions a previous process of this session left in the tier (a resume):
         settle what was in flight, and with nvme write back what is still in host memory."""
         self.tier.flush()
+        if self.on_device:
+            raise ConfigError("a device-resident share of the optimizer state cannot be taken over from a tier")
         for sg in self.layout.sub_groups:  # the session's blocks must be of this run's state dtype
             held, want = self.tier.info(self._state_name(sg.index)).nbytes, self.format.state_bytes(sg)
             if held != want:
@@ -158,9 +168,9 @@ class StateStorage:
 
     def grad(self, sg: int) -> torch.Tensor:
         """The fp32 gradient accumulator of a sub-group, resident (not with the gradient tier on NVMe)."""
-        if self.grads_tier is not None:
-            raise ConfigError("the gradient accumulators are on NVMe: use grad_for_landing / acquire_grad")
         name = self._grad_name(sg)
+        if self.grads_tier is not None and sg not in self.on_device:
+            raise ConfigError("the gradient accumulators are on NVMe: use grad_for_landing / acquire_grad")
         t = self._tensors.get(name)
         return t if t is not None else self._view(name, self.layout.sub_groups[sg].numel, cache=True,
                                                   dtype=self.grad_dtype)
@@ -169,7 +179,7 @@ class StateStorage:
 
     def grad_for_landing(self, sg: int, first: bool) -> torch.Tensor:
         """The accumulator a bucket's piece lands in (``first``: a cycle's first micro-step, overwriting it)."""
-        return self.grad(sg) if self.grads_tier is None else self.grads_tier.for_landing(sg, first)
+        return self.grad(sg) if self.grads_tier is None or sg in self.on_device else self.grads_tier.for_landing(sg, first)
 
     def begin_landing(self) -> None:
         """Before a micro-step's backward (the gradient tier recounts what lands: ``GradTier.begin``)."""
@@ -178,14 +188,14 @@ class StateStorage:
 
     def grad_landed(self, sg: int) -> None:
         """One piece of ``sg`` has landed (with the gradient tier, its last one this micro-step writes it back)."""
-        if self.grads_tier is not None:
+        if self.grads_tier is not None and sg not in self.on_device:
             self.grads_tier.landed(sg)
 
     def step_grads(self) -> list[torch.Tensor | None]:
         """The accumulators a step reads: the resident ones, or None each with the gradient tier on NVMe
         (the step acquires each beside its state block: ``acquire_grad``)."""
         if self.grads_tier is not None:
-            return [None] * len(self.layout.sub_groups)
+            return [self.grad(i) if i in self.on_device else None for i in range(len(self.layout.sub_groups))]
         return [self.grad(i) for i in range(len(self.layout.sub_groups))]
 
     def prefetch_grads(self, sgs: Iterable[int]) -> None:
@@ -233,7 +243,7 @@ class StateStorage:
 
     def acquire(self, sg: int) -> torch.Tensor:
         """The state block of ``sg``, waiting for (or starting) its prefetch."""
-        if self.nvme:
+        if self.nvme and sg not in self.on_device:
             self._window.bring_in(sg)
         return self.state(sg)
 
@@ -303,6 +313,8 @@ class StateStorage:
             self.grads_tier.settle()
         self._tensors.clear()
         for sg in self.layout.sub_groups:
+            if sg.index in self.on_device:
+                continue
             for name in (self._state_name(sg.index), self._grad_name(sg.index)):
                 try:
                     self.tier.free(name)

@@ -196,6 +196,17 @@ def twin_models(seed: int = 0) -> tuple[nn.Module, nn.Module]:
     return model, copy.deepcopy(model)
 
 
+def assert_matches_torch(losses: list[float], params: dict[str, torch.Tensor], batches: list, *, clip: float = 0.0,
+                         device: str = "cpu", rel: float = 1e-5) -> None:
+    """The engine's losses and final params against the oracle (``run_torch`` on ``device`` over ``batches``):
+    losses within ``rel``, params within ``assert_close``'s fp32 defaults."""
+    _, ref = twin_models()
+    ref_losses, ref_params = run_torch(ref.to(device), [(x.to(device), y.to(device)) for x, y in batches], clip=clip)
+    assert_losses_close(losses, ref_losses, rel=rel)
+    for name in params:
+        torch.testing.assert_close(params[name], ref_params[name], msg=lambda m: f"{name}: {m}")
+
+
 def assert_losses_close(ours: list[float], theirs: list[float], rel: float) -> None:
     """Every step's loss within ``rel`` relative of the oracle's."""
     assert len(ours) == len(theirs)

@@ -9,6 +9,8 @@ batches; one rank):
   opt-cpu        offload_optimizer cpu (fp32 master + moments in host memory, CPU Adam; sub-groups
                  stepped while backward runs: offload.overlap_step's default on a GPU)
   opt-cpu-serial opt-cpu with offload.overlap_step false (every sub-group stepped after backward)
+  opt-cpu-half   opt-cpu with offload_optimizer.ratio 0.5: the half of the state the next forward needs
+                 first on the GPU, stepped there by torch's fused AdamW
   opt-nvme       offload_optimizer nvme (swap file under --nvme-path)
   opt-cpu-dpu    opt-cpu with offload.delayed_update after one ordinary step (the CPU step of step t
                  overlaps forward and backward of step t+1)

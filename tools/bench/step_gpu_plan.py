@@ -58,7 +58,8 @@ class Contender:
     deepspeed: bool = False
     """DeepSpeed's engine on the same config keys (``step_deepspeed``), not ours."""
     ratio: float | None = None
-    """DeepSpeed's ``offload_optimizer.ratio`` (the share of the optimizer offloaded; stage 3)."""
+    """``offload_optimizer.ratio``: the share of the optimizer offloaded, the rest on the GPU (ours at stages 0-2,
+    DeepSpeed's at stage 3)."""
 
 
 CONTENDERS = (
@@ -66,6 +67,7 @@ CONTENDERS = (
     Contender(name="none", stage=1),
     Contender(name="opt-cpu", stage=1, optimizer="cpu"),
     Contender(name="opt-cpu-serial", stage=1, optimizer="cpu", overlap=False),
+    Contender(name="opt-cpu-half", stage=1, optimizer="cpu", ratio=0.5),
     Contender(name="opt-nvme", stage=1, optimizer="nvme"),
     Contender(name="opt-cpu-dpu", stage=1, optimizer="cpu", delayed=True),
     Contender(name="opt-cpu-int8", stage=1, optimizer="cpu", state_dtype="int8"),

@@ -26,6 +26,8 @@ def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str, param
             "reduce_bucket_size": 50_000_000}
     if c.stage == 3:
         zero["offload_param"] = where(c.param, 5)
+    if c.ratio is not None:  # [Note: GPU-resident share] in offload.zero.device_share
+        zero["offload_optimizer"]["ratio"] = c.ratio
     if c.live_share is not None:  # DeepSpeed's keys, its meaning: elements gathered at once, and kept for reuse
         zero["stage3_max_live_parameters"] = zero["stage3_max_reuse_distance"] = int(c.live_share * params)
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": accum,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.offload.harness import assert_losses_close, engine_config, make_batches, run_engine, run_torch, twin_models
+from tests.offload.harness import assert_matches_torch, engine_config, make_batches, run_engine, twin_models
 
 pytestmark = pytest.mark.cuda
 
@@ -35,12 +35,7 @@ def _run(overlap, stage, device, tmp_path, clip):
 def test_overlapped_step_on_the_gpu_matches_torch_and_the_ordinary_step(stage, device, clip, tmp_path):
     losses, params, seen = _run("auto", stage, device, tmp_path, clip)
     assert seen["overlap"] is not None, '"auto" is on where the model computes on a GPU'
-    _, ref = twin_models()
-    ref_losses, ref_params = run_torch(ref.cuda(), [(x.cuda(), y.cuda()) for x, y in make_batches(STEPS, BATCH)],
-                                       clip=clip)
-    assert_losses_close(losses, ref_losses, rel=1e-5)
-    for name in params:
-        torch.testing.assert_close(params[name], ref_params[name], msg=lambda m: f"{name}: {m}")
+    assert_matches_torch(losses, params, make_batches(STEPS, BATCH), clip=clip, device="cuda")
     plain_losses, plain_params, plain_seen = _run(False, stage, device, tmp_path, clip)
     assert plain_seen["overlap"] is None
     assert losses == plain_losses

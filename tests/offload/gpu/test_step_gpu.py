@@ -217,3 +217,30 @@ def test_the_live_quarter_row_holds_the_gathered_params_to_a_quarter(tmp_path):
         assert config.max_live_numel == config.max_reuse_distance_numel == params // 4
     finally:
         row.close()
+
+
+def test_the_half_row_keeps_half_of_the_optimizer_on_the_device(tmp_path, monkeypatch):
+    """opt-cpu-half: offload_optimizer.ratio 0.5 reaches the engine, which keeps the last half of the sub-groups
+    (the first layers') on the model's device (sub-groups cut small here: the row's 100M would make one)."""
+    import step_gpu_rows
+    from step_gpu_rows import build
+
+    made = step_gpu_rows.engine_config
+
+    def small_sub_groups(*args, **kwargs):
+        config = made(*args, **kwargs)
+        config["zero_optimization"]["sub_group_size"] = 20_000
+        return config
+
+    monkeypatch.setattr(step_gpu_rows, "engine_config", small_sub_groups)
+    gcfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64, tied_head=True)
+    row = build(step_gpu.BY_NAME["opt-cpu-half"], gcfg, torch.device("cpu"), batch=2, accum=1,
+                nvme_path=str(tmp_path))
+    try:
+        layout, kept = row.engine.layout, row.engine.adam.storage.on_device
+        n = len(layout.sub_groups)
+        assert row.engine.config.zero.offload_optimizer.ratio == 0.5 and n >= 6
+        assert kept == frozenset(range(n - len(kept), n))
+        assert abs(sum(layout.sub_groups[i].numel for i in kept) / layout.partition_numel - 0.5) < 2 / n
+    finally:
+        row.close()
