@@ -34,6 +34,7 @@ from offload.report import reporter_for
 from offload.runtime.omp_wait import quiet_omp_waits
 from offload.runtime.rendezvous import init_distributed
 from offload.tiers import Tier, open_tier
+from offload.zero.device_share import WITH_DAEMON, device_buckets, device_share
 from offload.zero.external import register_known_reads
 from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
@@ -42,12 +43,11 @@ from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
 from offload.zero.overlap import OverlappedStep, overlap_wanted
 from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.state_format import StateFormat
-from offload.zero.device_share import device_buckets, device_share
 from offload.zero.states import StateStorage
+from offload.zero.step_tail import attach_tail
 from offload.zero.unit_grads import UnitGradReducer
 
 logger = logging.getLogger(__name__)
-
 
 __all__ = ["add_config_arguments", "init_distributed", "initialize"]
 
@@ -323,9 +323,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                 tier.placement if tier is not None else f"{ranks.device.type} memory (not offloaded)")
     try:
         if tier is not None and tier.daemon and on_device:
-            raise ConfigError("zero_optimization.offload_optimizer.ratio below 1 is not supported with a node daemon "
-                              "(OFFLOAD_DAEMON_SOCKET is set): the device's share of the state would not outlive this "
-                              "process, and a restart could not resume it")
+            raise ConfigError(WITH_DAEMON)
         if tier is not None and tier.daemon and device_kind == OffloadDevice.NVME:
             window = plan.reattached_window(tier.store)
         if tier is not None and ranks.device.type == "cuda":
@@ -377,6 +375,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if overlap:
             engine.overlap = OverlappedStep(adam, gradient_clipping=cfg.gradient_clipping)
             reducer.land_early = True  # [Note: landing early] in offload.zero.overlap
+        if cfg.offload.step_under_forward:  # [Note: the step under the next forward] in offload.zero.step_tail
+            attach_tail(engine.overlap, adam, model, params, recorded=tier is not None and tier.daemon)
         if tier is not None and tier.daemon:
             engine.commit = commit or CommitRegion(tier.store, existing=False)
             if engine.overlap is not None:

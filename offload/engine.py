@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from csrc import ConfigError, DaemonNotRunningError
-from offload.engine_stats import EngineStats
+from offload.engine_api import DeepSpeedAccessors
+from offload.engine_stats import EngineStats, stats_of
 from offload.runtime.host_heap import HeapTrimmer
 from offload.runtime.rank_barrier import CLOSE_WAIT_SECONDS, every_rank_reached
 from offload.precision import LossScaler, clip_coefficient
@@ -73,7 +74,7 @@ class RankInfo:
     group: dist.ProcessGroup | None = None
 
 
-class Engine:
+class Engine(DeepSpeedAccessors):
     """ZeRO stages 0-2 with the optimizer state on the device, in host memory or on NVMe."""
 
     def __init__(self, *, module: torch.nn.Module, config, ranks: RankInfo, layout: FlatLayout,
@@ -119,64 +120,6 @@ class Engine:
         self.stop_requested = False  # SIGTERM: finish the step, commit, detach, exit
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's word, if given
         self._closed = False
-
-    # -- DeepSpeed's accessors -----------------------------------------------------------
-
-    @property
-    def local_rank(self) -> int:
-        return self.ranks.local_rank
-
-    @property
-    def global_rank(self) -> int:
-        return self.ranks.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ranks.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.ranks.device
-
-    def bfloat16_enabled(self) -> bool:
-        return self.compute_dtype == torch.bfloat16
-
-    def fp16_enabled(self) -> bool:
-        return self.compute_dtype == torch.float16
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.batch.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.batch.micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self.config.batch.train_batch_size
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero.stage
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` steps: the caller's word (``set_gradient_accumulation_boundary``), else
-        every ``gradient_accumulation_steps``-th micro-batch."""
-        if self._boundary is not None:
-            return self._boundary
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """DeepSpeed's call, made by Accelerate and the HF Trainer before each backward: whether this micro-batch
-        ends an accumulation cycle (a short last cycle of an epoch too). None: count micro-batches again."""
-        self._boundary = None if is_boundary is None else bool(is_boundary)
-
-    def get_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        return self.last_grad_norm
-
-    @property
-    def loss_scale(self) -> float:
-        return self.scaler.scale
 
     # -- the training loop ---------------------------------------------------------------
 
@@ -236,6 +179,7 @@ class Engine:
         return out
 
     def _backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        self.settle()  # the last step's tail reads the accumulators this backward lands in
         gas = self.gradient_accumulation_steps()
         final = self.is_gradient_accumulation_boundary()
         stage2 = self.config.zero.stage >= 2  # stage 3 reduces every micro-step too
@@ -402,6 +346,13 @@ class Engine:
     def zero_grad(self) -> None:
         self.reducer.zero()
 
+    def settle(self) -> None:
+        """Finish what of the last step still runs (``offload.step_under_forward``: the sub-groups stepped under
+        the next forward): the params are the step's after this. The engine's own calls do it; a script that
+        reads the params between ``step()`` and the next forward calls it first."""
+        if self.overlap is not None:
+            self.overlap.settle()
+
     def parameters(self, recurse: bool = True):
         """The module's parameters, as a DeepSpeed engine (an ``nn.Module``) gives them to framework loops
         (``accelerator.clip_grad_norm_(model.parameters(), ...)``)."""
@@ -416,6 +367,7 @@ class Engine:
         time, and rank 0 gets the dict, the others an empty one, as DeepSpeed's. Stages 0-2: every rank."""
         from offload.hf.save import consolidated_16bit_state_dict
 
+        self.settle()
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     # -- state that outlives the process ---------------------------------------------------
@@ -472,6 +424,7 @@ class Engine:
         stage3_gather_16bit_weights_on_model_save); True if written. See ``offload.hf.save``."""
         from offload.hf.save import save_16bit_model
 
+        self.settle()
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters,
                                 **kwargs)
 
@@ -503,23 +456,8 @@ class Engine:
         return loaded
 
     def offload_stats(self) -> EngineStats:
-        storage = self.adam.storage
-        stats = self.tier.store.stats() if self.tier is not None else None
-        return EngineStats(
-            optimizer_device=self.config.zero.offload_optimizer.device.value,
-            tier=self.tier.description if self.tier is not None else f"none (state on {self.device})",
-            state_bytes_by_tier=storage.bytes_by_tier(poll=not any(x is not None and x.busy for x in
-                                                                   (self.delayed, self.overlap))),
-            bytes_read_total=stats.bytes_read_total if stats else 0,
-            bytes_written_total=stats.bytes_written_total if stats else 0,
-            io_wait_seconds_total=storage.io_wait_seconds,
-            step_seconds_total=self.step_seconds,
-            optimizer_steps=self.adam.step_count,
-            skipped_steps=self.skipped_steps,
-            step_seconds_under_backward_total=self.overlap.seconds_under_backward if self.overlap else 0.0,
-            overlap_rollbacks=self.overlap.rollbacks if self.overlap else 0,
-            sub_groups_stepped_early_total=self.overlap.early_sub_groups if self.overlap else 0,
-        )
+        """What the tiers did (``offload.engine_stats.stats_of``)."""
+        return stats_of(self)
 
     def close(self, *, keep_session: bool = False) -> None:
         """Free the optimizer state (tier regions, swap files). Idempotent."""

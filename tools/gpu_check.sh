@@ -23,8 +23,9 @@
 #            the GPU; then the whole of tests/offload/gpu (the CPU-side logic) -> $OUT/pytest.log
 #   fetch    tools/bench/bench_fetch.py (H2D / D2H GB/s against the pinned peak, 1,000 x 64 KiB
 #            batched against the copy_ loop, the measured batch threshold) -> $OUT/bench_fetch.md
-#   step     tools/bench/step_gpu.py at ~1B, interleaved: torch, none, opt-cpu, opt-cpu-serial, opt-cpu-half,
-#            opt-cpu-dpu, opt-cpu-int8, s3-param-cpu, s3-param-cpu-live25 (STEP_CONTENDERS overrides the list)
+#   step     tools/bench/step_gpu.py at ~1B, interleaved: torch, none, opt-cpu, opt-cpu-serial, opt-cpu-fwd,
+#            opt-cpu-half, opt-cpu-int8, s3-param-cpu, s3-param-cpu-live25 (all built at once: ~100 GB of host
+#            memory; opt-cpu-dpu, whose figure is known, by STEP_CONTENDERS, which overrides the list)
 #            -> $OUT/step_gpu_1b.md (the run's log), $OUT/step_gpu_1b.table.md (the report)
 #   step-nvme  the same with torch, none, opt-nvme, s3-param-nvme (each NVMe step moves the 12 GB of
 #            fp32 state both ways, seconds per step: fewer rounds) -> $OUT/step_gpu_1b_nvme.md
@@ -145,7 +146,7 @@ for stage in "${stages[@]}"; do
     step)
       lim=$(limit_for 360)
       run_stage step "$lim" "$OUT/step_gpu_1b.md" $PY tools/bench/step_gpu.py --rounds 3 --steps-per-round 3 \
-        --contenders ${STEP_CONTENDERS:-torch none opt-cpu opt-cpu-serial opt-cpu-half opt-cpu-dpu opt-cpu-int8 s3-param-cpu s3-param-cpu-live25} --nvme-path /tmp --budget-seconds $((lim - 30)) \
+        --contenders ${STEP_CONTENDERS:-torch none opt-cpu opt-cpu-serial opt-cpu-fwd opt-cpu-half opt-cpu-int8 s3-param-cpu s3-param-cpu-live25} --nvme-path /tmp --budget-seconds $((lim - 30)) \
         --out "$OUT/step_gpu_1b.table.md" ;;
     step-nvme)
       lim=$(limit_for 300)

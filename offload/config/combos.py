@@ -32,6 +32,14 @@ def check_combinations(config: Any) -> None:
                           "bytes a parameter): set offload.state_dtype too, or master_dtype \"fp32\"")
     if config.offload.overlap_step is True:  # [Note: overlapped step] in offload.zero.overlap says why
         _overlap_step_supported(config)
+    if config.offload.step_under_forward and (config.offload.overlap_step is False or config.zero.stage == 3
+                                              or not _offloaded(config.zero.offload_optimizer.device)
+                                              or config.offload.delayed_update):
+        raise ConfigError("offload.step_under_forward needs the overlapped step (offload.overlap_step true or \"auto\", "
+                          "zero_optimization.stage 0-2, offload_optimizer.device cpu or nvme, no offload.delayed_update): "
+                          f"this config has overlap_step {config.offload.overlap_step!r}, stage {config.zero.stage}, "
+                          f"offload_optimizer {config.zero.offload_optimizer.device.value}, delayed_update "
+                          f"{config.offload.delayed_update}")
     if config.zero.offload_optimizer.ratio != 1.0:  # [Note: GPU-resident share] in offload.zero.device_share
         _ratio_supported(config)
     if config.data_types.grad_accum_dtype == "bf16" and (

@@ -172,7 +172,7 @@ DATA_TYPES = KeyTable(acted=_same("grad_accum_dtype"))
 OFFLOAD = KeyTable(
     acted=_same("daemon_socket", "daemon_reconnect_seconds", "job_id", "resume", "host_memory_bytes", "swap_capacity_bytes", "checksum",
                 "delayed_update", "delayed_update_warmup_steps", "release_host_heap", "overlap_step",
-                "state_dtype", "master_dtype", "gradient_tier", "node_shared_buffers", "huge_pages"),
+                "step_under_forward", "state_dtype", "master_dtype", "gradient_tier", "node_shared_buffers", "huge_pages"),
     auto=frozenset({"overlap_step", "gradient_tier", "huge_pages", "resume"}),
 )
 

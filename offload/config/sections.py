@@ -400,6 +400,10 @@ class OffloadSectionConfig:
     overlap_step: bool | str = "auto"
     """Step sub-groups whose gradients have all landed while backward still runs
     (offload.zero.overlap): "auto" (on where the model computes on a GPU), true or false."""
+    step_under_forward: bool = False
+    """With the overlapped step: the sub-groups left after backward are stepped under the next forward, the
+    first layers' first, each of its modules waiting only for its own params (offload.zero.step_tail); until
+    that forward (or engine.settle()) the params are not all the step's yet. Stages 0-2."""
     state_dtype: str = "fp32"
     """How the offloaded Adam moments are stored (the master is kept, see master_dtype): "fp32" (the bit-exact
     default), "bf16", or "int8" (blockwise dynamic 8-bit codes with a float32 scale per 256 elements;
@@ -432,7 +436,7 @@ class OffloadSectionConfig:
         _float(self, "daemon_reconnect_seconds", 0, 1e6, hi_open=True)
         _int(self, "host_memory_bytes", 1, optional=True)
         _int(self, "swap_capacity_bytes", 1, optional=True)
-        _bool(self, "checksum", "delayed_update", "release_host_heap", "node_shared_buffers")
+        _bool(self, "checksum", "delayed_update", "release_host_heap", "node_shared_buffers", "step_under_forward")
         _int(self, "delayed_update_warmup_steps", 0)
         if self.overlap_step not in (True, False, "auto"):
             _fail(self, "overlap_step", 'true, false or "auto"')

@@ -51,6 +51,7 @@ import torch
 
 from csrc import ConfigError
 from offload.plan.memory import OptimizerSettings, Region, flat_layout, plan_optimizer, plan_params, sub_group_numel
+from offload.zero.device_share import device_sub_groups
 from offload.zero.layout import FlatLayout
 from offload.zero.overlap import copies_that_fit, overlap_wanted
 from offload.zero.state_format import StateFormat
@@ -217,6 +218,9 @@ class EstimateInput:
     """offload.gradient_tier: stage 3's accumulators resident or on NVMe ([Note: gradient tier])."""
     grad_accum_dtype: str = "fp32"
     """data_types.grad_accum_dtype: the offloaded accumulators' dtype (fp32 4, bf16 2 bytes per element)."""
+    ratio: float = 1.0
+    """offload_optimizer.ratio at stages 0-2: the share offloaded, the rest kept on the device ([Note: GPU-resident
+    share] in offload.zero.device_share; "auto" depends on the device's free memory at start: counted as 1.0)."""
 
     @property
     def node_ranks(self) -> int:
@@ -258,7 +262,8 @@ class EstimateInput:
                    baseline_bytes=baseline_bytes, gpu=gpu, overlap_step=cfg.offload.overlap_step,
                    delayed_update=cfg.offload.delayed_update, state_dtype=cfg.offload.state_dtype,
                    master_dtype=cfg.offload.master_dtype, gradient_tier=cfg.offload.gradient_tier,
-                   grad_accum_dtype=cfg.data_types.grad_accum_dtype)
+                   grad_accum_dtype=cfg.data_types.grad_accum_dtype,
+                   ratio=1.0 if z.offload_optimizer.ratio == "auto" else z.offload_optimizer.ratio)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -350,9 +355,13 @@ def _optimizer_parts(layout: FlatLayout, optimizer: str, stage: int, inp: Estima
         n = layout.partition_numel
         return [("fp32 gradient accumulators", "device", 4 * n), ("fp32 master + moments", "device", 12 * n)], 0
     pool = inp.daemon_pool if inp.daemon and inp.host_memory_bytes is None else None
+    kept = device_sub_groups(layout, inp.ratio) if stage < 3 else frozenset()
     plan = plan_optimizer(layout, inp.optimizer_settings(optimizer, stage), pool=pool, local_ranks=inp.node_ranks,
-                          log=False, available=inp.available_host_bytes)
-    return _parts(plan.regions()), _session_bytes(plan.tier, inp)
+                          log=False, available=inp.available_host_bytes, on_device=kept)
+    n = sum(layout.sub_groups[i].numel for i in kept)
+    on_device = [("fp32 master + moments (kept by offload_optimizer.ratio)", "device", 12 * n),
+                 ("fp32 gradient accumulators (kept by offload_optimizer.ratio)", "device", 4 * n)] if n else []
+    return _parts(plan.regions()) + on_device, _session_bytes(plan.tier, inp)
 
 
 def _session_bytes(tier: Any, inp: EstimateInput) -> int:
@@ -372,7 +381,8 @@ def _staged_update_parts(stage: int, layout: FlatLayout, optimizer: str, inp: Es
         parts.append(("param staging (compute dtype)", "host", inp.compute_bytes * layout.partition_numel))
     if overlap and optimizer == "cpu":  # a copy of each state block stepped early, the largest first
         fmt = StateFormat(inp.state_dtype, inp.master_dtype)
-        sgs = sorted(layout.sub_groups, key=lambda sg: sg.numel, reverse=True)
+        kept = device_sub_groups(layout, inp.ratio)  # (stepped on the device: no copy)
+        sgs = sorted((sg for sg in layout.sub_groups if sg.index not in kept), key=lambda sg: sg.numel, reverse=True)
         copies = min(len(sgs), copies_that_fit([sg.numel for sg in sgs], available=inp.available_host_bytes,
                                                local_ranks=inp.node_ranks, log=False))
         parts.append(("rollback copies (offload.overlap_step)", "host", sum(fmt.state_bytes(sg) for sg in sgs[:copies])))

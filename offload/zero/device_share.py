@@ -37,11 +37,15 @@ from offload.zero.layout import FlatLayout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AUTO_RESERVE_FRACTION", "DEVICE_BYTES_PER_ELEMENT", "auto_ratio", "device_buckets", "device_share",
+__all__ = ["AUTO_RESERVE_FRACTION", "WITH_DAEMON", "DEVICE_BYTES_PER_ELEMENT", "auto_ratio", "device_buckets", "device_share",
            "device_sub_groups"]
 
 DEVICE_BYTES_PER_ELEMENT = 16
 """A device-resident element: fp32 master, exp_avg, exp_avg_sq and its fp32 gradient accumulator."""
+
+WITH_DAEMON = ("zero_optimization.offload_optimizer.ratio below 1 is not supported with a node daemon (its socket "
+               "is set): the device's share of the state would not outlive this process, and a restart could not "
+               "resume it")
 
 AUTO_RESERVE_FRACTION = 0.5
 """``ratio: "auto"`` leaves this share of the device's total memory free (activations, the allocator)."""

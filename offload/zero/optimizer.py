@@ -12,7 +12,7 @@ schedulers drive it; stepping goes through the engine.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -206,20 +206,26 @@ class PartitionedAdam:
         return plan
 
     def step_states(self, grad_multiplier: float, plan: StepPlan, skip: frozenset[int] = frozenset(),
-                    progress: Any = None, resume: bool = False, publish_early: bool = False) -> None:
+                    progress: Any = None, resume: bool = False, publish_early: bool = False,
+                    order: Sequence[int] | None = None, stepped: Callable[[int, Any], None] | None = None) -> None:
         """Adam over every sub-group's state but ``skip``'s (NVMe I/O pipelined); the new low-precision
         params go to ``_out`` (the staging buffer when there is one: ``publish`` brings them to the model).
         ``progress`` (``offload.checkpoint.resume.CommitRegion``, with ``skip`` stepped already): told as each Adam pass
         starts and as each sub-group is stepped and marked dirty, each pass logged in ``undo``; with
         ``resume`` the first pass is one a killed process started ([Note: restartable step]). ``publish_early``:
         ``publish`` follows at once (nothing reads the params meanwhile), so each sub-group's params start for
-        the device as soon as it is stepped ([Note: publish as stepped])."""
-        order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
-        if self._on_device:  # enqueued on the device first, so that its Adam runs under the host's
-            order = [i for i in order if i in self._on_device] + [i for i in order if i not in self._on_device]
+        the device as soon as it is stepped ([Note: publish as stepped]). ``order``: these sub-groups, in this
+        order, instead of all but ``skip``'s (the caller published the others: ``offload.zero.step_tail``);
+        ``stepped(i, pending)``: told as each is stepped and published (``pending``: its copies, or None)."""
+        fresh = order is None and not skip  # (else the caller published what it stepped before: ``reset_publishing``)
+        if order is None:
+            order = [i for i in range(len(self.layout.sub_groups)) if i not in skip]
+            if self._on_device:  # enqueued on the device first, so that its Adam runs under the host's
+                order = [i for i in order if i in self._on_device] + [i for i in order if i not in self._on_device]
+        order = list(order)
         self.storage.prefetch(order)
         self._staging_free()
-        if not skip:  # (with ``skip``, the caller published what it stepped before: ``reset_publishing`` first)
+        if fresh:
             self.reset_publishing()
         logged = progress is not None and self.undo is not None and self._on_host
         self.storage.prefetch_grads(order)
@@ -237,13 +243,14 @@ class PartitionedAdam:
                 progress.sub_group_started(i)
             self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan,
                                  logged=(resume and k == 0) if logged and i not in self._on_device else None, grad=grad)
-            if publish_early:
-                self.publish_sub_groups([i])
+            pending = self.publish_sub_groups([i]) if publish_early else None
             self.storage.release(i, dirty=True)
             if plan.grads[i] is None:
                 self.storage.release_grad(i)
             if progress is not None:
                 progress.sub_group_done(i + 1)
+            if stepped is not None:
+                stepped(i, pending)
 
     def step_sub_group(self, i: int, state: torch.Tensor, grad_multiplier: float, plan: StepPlan) -> None:
         """Adam over one sub-group's resident ``state`` (``offload.zero.overlap`` steps them one by one)."""
@@ -266,16 +273,24 @@ class PartitionedAdam:
         for p in pending:
             self._fetcher.wait_sources(p)
 
-    def publish_sub_groups(self, sgs: Iterable[int]) -> None:
+    def publish_sub_groups(self, sgs: Iterable[int]) -> Any:
         """Start the staged params of ``sgs``, stepped and final, for the device now, on the fetcher's H2D stream,
-        where ``publish`` then only waits for them ([Note: publish as stepped]); elsewhere nothing: ``publish``
-        copies everything."""
-        if self._fetcher is None or self._staging is None or self._params_out is not None or self._node is not None:
-            return
+        where ``publish`` then only waits for them ([Note: publish as stepped]); returns those copies (None: none
+        started). Staged on the CPU (no fetcher) they are copied at once. Without staging, or with stage 3 or
+        node-shared buffers, nothing: ``publish`` copies everything."""
+        if self._staging is None or self._params_out is not None or self._node is not None:
+            return None
         sgs = [i for i in sgs if i not in self._fetched and i not in self._on_device]
-        if sgs:
-            self._publishing.append(self._fetcher.start_fetch(self._staged_pairs(sgs)))
-            self._fetched.update(sgs)
+        if not sgs:
+            return None
+        self._fetched.update(sgs)
+        if self._fetcher is None:
+            for dst, src in self._staged_pairs(sgs):
+                dst.copy_(src)
+            return None
+        pending = self._fetcher.start_fetch(self._staged_pairs(sgs))
+        self._publishing.append(pending)
+        return pending
 
     def publish(self) -> None:
         """The updated params into the model: staging to the flat buffer, shards all-gathered."""

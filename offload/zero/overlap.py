@@ -74,6 +74,12 @@ completes (at 1B with 4 micro-batches, most of the last micro-batch's ~70 ms), l
 copies' share (1.1-1.7x an Adam pass over the same block). ``backward_done`` now marks the end of
 the last landing, so ``seconds_under_backward`` counts the time under the GPU's backward.
 
+What is left after backward (the first layers' sub-groups, complete last) is stepped after it, and the next
+forward waits for all of it; with ``offload.step_under_forward`` it is stepped under that forward instead,
+each module waiting for its own ([Note: the step under the next forward] in offload.zero.step_tail); and with
+``offload_optimizer.ratio`` below 1 the device keeps those sub-groups ([Note: GPU-resident share] in
+offload.zero.device_share), whose Adam the GPU runs under the CPU's.
+
 Not supported: stage 3 (the update writes the param shards the hooks gather from), the state
 on the GPU (``offload_optimizer`` none: nothing to overlap), and ``offload.delayed_update``
 (which overlaps the whole step already): ``true`` there is a ConfigError, "auto" is off.
@@ -158,7 +164,8 @@ class OverlappedStep:
             for b in sorted({p.bucket for p in sg.pieces}):
                 self._sgs_of.setdefault(b, []).append(sg.index)
         self._buckets_per_sg = [len({p.bucket for p in sg.pieces}) for sg in layout.sub_groups]
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-overlap")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-overlap")
+        """The one worker thread: early steps under backward, and a step's tail under forward."""
         self.max_copies = None if adam.storage.nvme else max_copies if max_copies is not None else \
             copies_that_fit([sg.numel for sg in layout.sub_groups])
         if self.max_copies is not None:
@@ -187,25 +194,41 @@ class OverlappedStep:
         self.seconds_after_backward = 0.0
         """Early-step time that ran after backward, before ``engine.step()`` waited for it."""
         self.backup_seconds = 0.0
-        """Worker time spent keeping copies of state blocks (cpu), within the two above."""
+        """Worker time spent keeping copies of state blocks (cpu) under backward, within the two above."""
+        self.ahead_seconds = 0.0
+        """Worker time spent making copies ahead, after a step ([Note: copies ahead])."""
+        self.copies_ahead_used = 0
+        """Early sub-groups whose rollback copy had been made ahead (none made under backward)."""
+        self._ahead: dict[int, int] = {}  # sub-group -> the rollback copy made ahead for it
+        self._ahead_future: concurrent.futures.Future | None = None
         self.rollback_seconds = 0.0
         """Time spent restoring early sub-groups (nvme: dropping them; the re-read is step time)."""
         self.early_sub_groups = 0
         """Sub-groups stepped early and kept."""
         self.rollbacks = 0
         """Steps whose early sub-groups were undone (clipping, overflow, a changed hyperparameter)."""
+        self.tail = None
+        """``offload.zero.step_tail.StepTail`` (``offload.step_under_forward``; the builder sets it): the sub-groups
+        left after backward are stepped under the next forward."""
         adam.landed = self._landed
 
     @property
     def busy(self) -> bool:
-        """Sub-groups were stepped early and not yet validated (the worker may be on one)."""
-        return bool(self._futures)
+        """Sub-groups were stepped early and not yet validated, or a step's tail runs (the worker may be on one)."""
+        return bool(self._futures) or (self.tail is not None and self.tail.busy)
+
+    def settle(self) -> None:
+        """The last step's tail, if it runs under the forward, finished and published ([Note: the step under
+        the next forward] in offload.zero.step_tail)."""
+        if self.tail is not None:
+            self.tail.finish()
 
     # -- backward ----------------------------------------------------------------------------
 
     def begin(self, loss_scale: float, world_size: int) -> None:
         """Before the boundary's backward: fix what a speculative step reads; arm the landing watch."""
-        self.cancel()  # a speculation no step() validated (a boundary without engine.step())
+        self.settle()
+        self._drop_speculation()  # a speculation no step() validated (a boundary without engine.step())
         self._left = list(self._buckets_per_sg)
         self._mult = 1.0 / (loss_scale * world_size)
         self._plan = self.adam.prepare_step(count=False)
@@ -241,7 +264,7 @@ class OverlappedStep:
             return  # the copies the step record can name
         if not storage.nvme and not self._have_copy(len(self._eager)):
             return
-        self._futures.append(self._pool.submit(self._step_early, sg, len(self._eager)))
+        self._futures.append(self.pool.submit(self._step_early, sg, len(self._eager)))
         self._eager.append(sg)
 
     def _hopeful(self) -> bool:
@@ -255,7 +278,9 @@ class OverlappedStep:
         t0 = time.perf_counter()
         storage = self.adam.storage
         state = storage.acquire(sg)
-        if not storage.nvme:
+        if not storage.nvme and self._ahead.get(sg) == k:
+            self.copies_ahead_used += 1
+        elif not storage.nvme:
             self._copies[k][:state.numel()].copy_(state)
             if self.commit is not None:
                 self.commit.early_copied(k, sg)  # whole: a restart may restore it from now on
@@ -321,7 +346,9 @@ class OverlappedStep:
         speculation holds, else undo them; step the rest; publish. ``record(plan, early)``: writes the
         step record once the early sub-groups are final, ``progress``: as ``PartitionedAdam.step_states``'s
         ([Note: speculative step] in offload.checkpoint.resume)."""
+        self.settle()
         eager = self._join()
+        self._wait_ahead()  # (done already where sub-groups were stepped early: they queued after it)
         plan = self.adam.prepare_step()
         spec = self._plan
         if eager and (grad_multiplier != self._mult or plan.step_count != spec.step_count
@@ -338,11 +365,62 @@ class OverlappedStep:
         self.early_sub_groups += len(eager)
         self.adam.reset_publishing()
         self.adam.publish_sub_groups(eager)  # final now ([Note: publish as stepped] in offload.zero.optimizer)
-        self.adam.step_states(grad_multiplier, plan, skip=frozenset(eager), progress=progress, publish_early=True)
-        self.adam.publish()
+        self._ahead = {}
+        if self.tail is not None and record is None and progress is None:
+            self._step_under_forward(grad_multiplier, plan, eager)
+        else:
+            self.adam.step_states(grad_multiplier, plan, skip=frozenset(eager), progress=progress, publish_early=True)
+            self.adam.publish()
+        self._copy_ahead()
+
+    # [Note: copies ahead] A rollback copy is of the state before the step, which is final as soon as the last
+    # step is: the copies for the next step's early sub-groups (the first ones that are not on the device: they
+    # complete first, [Note: overlapped step]) are made right after a step, on the worker, queued after that
+    # step's own work (its tail under the next forward), so that they run while the next forward and backward
+    # (with accumulation, several of them) leave the CPU idle, not under the boundary's backward, where each one
+    # took 1.1-1.7x the Adam pass it guards. An early sub-group whose copy was made ahead is stepped at once; any
+    # other is copied first, as before. The copies are dropped when the state may change behind the overlap's
+    # back (``cancel``: a checkpoint loaded, an overflow); the undo of a speculation leaves them true. Not with
+    # nvme (nothing to copy) nor a daemon's step record (its copies are recorded as the speculative step begins).
+    def _copy_ahead(self) -> None:
+        if self.adam.storage.nvme or self.commit is not None or not self.max_copies:
+            return
+        on_device = self.adam.storage.on_device
+        sgs = [i for i in range(len(self.adam.layout.sub_groups)) if i not in on_device][:self.max_copies]
+        if sgs and all(self._have_copy(k) for k in range(len(sgs))):
+            self._ahead_future = self.pool.submit(self._make_copies, sgs)
+
+    def _make_copies(self, sgs: list[int]) -> None:  # on the worker thread
+        t0 = time.perf_counter()
+        for k, sg in enumerate(sgs):
+            state = self.adam.storage.state(sg)
+            self._copies[k][:state.numel()].copy_(state)
+            self._ahead[sg] = k
+        self.ahead_seconds += time.perf_counter() - t0
+
+    def _wait_ahead(self) -> None:
+        future, self._ahead_future = self._ahead_future, None
+        if future is not None:
+            future.result()
+
+    def _step_under_forward(self, mult: float, plan: StepPlan, eager: list[int]) -> None:
+        """The device's share enqueued now; the rest on the worker, in the order the next forward needs them, under
+        it ([Note: the step under the next forward] in offload.zero.step_tail)."""
+        on_device = self.adam.storage.on_device
+        n = len(self.adam.layout.sub_groups)
+        if on_device:
+            self.adam.step_states(mult, plan, order=sorted(on_device), publish_early=True)
+        self.tail.start({i for i in range(n) if i not in on_device and i not in eager}, mult, plan)
 
     def cancel(self) -> None:
-        """The step will not run (an overflow, a checkpoint loaded): undo what was stepped early."""
+        """The step will not run (an overflow, a checkpoint loaded): undo what was stepped early (a last step's
+        tail is finished first); the copies made ahead are dropped ([Note: copies ahead])."""
+        self.settle()
+        self._drop_speculation()
+        self._wait_ahead()
+        self._ahead = {}
+
+    def _drop_speculation(self) -> None:
         eager = self._join()
         if eager:
             self._undo(eager)
@@ -363,4 +441,6 @@ class OverlappedStep:
         try:
             self.cancel()
         finally:
-            self._pool.shutdown(wait=True)
+            if self.tail is not None:
+                self.tail.close()
+            self.pool.shutdown(wait=True)

@@ -6,9 +6,13 @@ faster on a loaded 2-core machine, and changes no result.
 """
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
+from offload.zero import optimizer as optimizer_module
 from tests.daemon.conftest import start_daemon
 
 
@@ -32,3 +36,29 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# [Note: the step under the next forward] (offload.zero.step_tail): what its tests, on the CPU and the GPU, share
+FEW_EARLY = 3
+SLOW_WORKER_SECONDS = 0.01
+
+
+@pytest.fixture
+def few_early(monkeypatch):
+    """At most FEW_EARLY sub-groups stepped under backward (on one CPU rank every bucket lands in its hook, so all
+    would be; on a GPU the first layers' are complete only as backward ends): the rest is the tail."""
+    monkeypatch.setattr("offload.zero.overlap.copies_that_fit", lambda *args, **kwargs: FEW_EARLY)
+    monkeypatch.setattr("offload.plan.budget.available_bytes", lambda: None)  # nvme: the window at buffer_count
+
+
+@pytest.fixture
+def slow_worker(monkeypatch):
+    """Each Adam pass on the overlap's worker thread takes SLOW_WORKER_SECONDS longer."""
+    step_one = optimizer_module.PartitionedAdam._step_sub_group
+
+    def slowed(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("offload-overlap"):
+            time.sleep(SLOW_WORKER_SECONDS)
+        return step_one(self, *args, **kwargs)
+
+    monkeypatch.setattr(optimizer_module.PartitionedAdam, "_step_sub_group", slowed)

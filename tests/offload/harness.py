@@ -135,6 +135,7 @@ def run_engine(model: nn.Module, config: dict[str, Any], batches: Iterable, *, g
             losses.append(total / gas)
             if on_step is not None:
                 on_step(engine, step)
+        engine.settle()  # (offload.step_under_forward: the last step's tail, which no forward waited for)
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     finally:
         engine.close()

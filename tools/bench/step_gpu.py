@@ -9,7 +9,9 @@ batches; one rank):
   opt-cpu        offload_optimizer cpu (fp32 master + moments in host memory, CPU Adam; sub-groups
                  stepped while backward runs: offload.overlap_step's default on a GPU)
   opt-cpu-serial opt-cpu with offload.overlap_step false (every sub-group stepped after backward)
-  opt-cpu-half   opt-cpu with offload_optimizer.ratio 0.5: the half of the state the next forward needs
+  opt-cpu-fwd    opt-cpu with offload.step_under_forward: the sub-groups left after backward stepped under
+                 the next forward, each of its modules waiting for its own params only
+  opt-cpu-half   opt-cpu-fwd with offload_optimizer.ratio 0.5: the half of the state the next forward needs
                  first on the GPU, stepped there by torch's fused AdamW
   opt-nvme       offload_optimizer nvme (swap file under --nvme-path)
   opt-cpu-dpu    opt-cpu with offload.delayed_update after one ordinary step (the CPU step of step t
@@ -249,11 +251,15 @@ class Run:
             if s:
                 self.steps[row.name].append(dt)
                 self.per_round[f"{row.name}@{r}"].append(dt)
+        if isinstance(row, EngineRow):
+            row.engine.settle()  # a step's tail under the next forward ends with its round, not in the next row's
 
     def profile(self, row) -> None:
         """The wait share's profiled step, when the budget has room for it (three steps' time)."""
         if self.left() > 3 * statistics.median(self.steps[row.name]) + 5:
             self.busy[row.name] = profiled_busy(row, self.micro[0], self.device)
+            if isinstance(row, EngineRow):
+                row.engine.settle()
 
     def sequential(self, wanted: list[Contender]) -> None:
         for c in wanted:

@@ -57,6 +57,8 @@ class Contender:
     parameters (the GPU holding at most that much of it gathered at once)."""
     deepspeed: bool = False
     """DeepSpeed's engine on the same config keys (``step_deepspeed``), not ours."""
+    under_forward: bool = False
+    """offload.step_under_forward: the sub-groups left after backward stepped under the next forward."""
     ratio: float | None = None
     """``offload_optimizer.ratio``: the share of the optimizer offloaded, the rest on the GPU (ours at stages 0-2,
     DeepSpeed's at stage 3)."""
@@ -67,7 +69,8 @@ CONTENDERS = (
     Contender(name="none", stage=1),
     Contender(name="opt-cpu", stage=1, optimizer="cpu"),
     Contender(name="opt-cpu-serial", stage=1, optimizer="cpu", overlap=False),
-    Contender(name="opt-cpu-half", stage=1, optimizer="cpu", ratio=0.5),
+    Contender(name="opt-cpu-fwd", stage=1, optimizer="cpu", under_forward=True),
+    Contender(name="opt-cpu-half", stage=1, optimizer="cpu", under_forward=True, ratio=0.5),
     Contender(name="opt-nvme", stage=1, optimizer="nvme"),
     Contender(name="opt-cpu-dpu", stage=1, optimizer="cpu", delayed=True),
     Contender(name="opt-cpu-int8", stage=1, optimizer="cpu", state_dtype="int8"),

@@ -38,6 +38,8 @@ def engine_config(c: Contender, *, batch: int, accum: int, nvme_path: str, param
         config["offload"] = {"delayed_update": True, "delayed_update_warmup_steps": 1}
     if c.overlap is not None:
         config.setdefault("offload", {})["overlap_step"] = c.overlap
+    if c.under_forward:  # [Note: the step under the next forward] in offload.zero.step_tail
+        config.setdefault("offload", {})["step_under_forward"] = True
     if c.state_dtype != "fp32":
         config.setdefault("offload", {})["state_dtype"] = c.state_dtype
     if c.grad_accum_dtype != "fp32":
@@ -107,7 +109,11 @@ class EngineRow:
             out.update({"stepped under backward s": o.seconds_under_backward,
                         "stepped early, after backward s": o.seconds_after_backward,
                         "of which rollback copies s": o.backup_seconds, "sub-groups stepped early": o.early_sub_groups,
+                        "of which copied ahead": o.copies_ahead_used, "copies made ahead s": o.ahead_seconds,
                         "rollbacks": o.rollbacks})
+        if o is not None and o.tail is not None:  # [Note: the step under the next forward] in offload.zero.step_tail
+            out.update({"sub-groups stepped under forward": o.tail.sub_groups_under_forward,
+                        "forward waited for them s": o.tail.wait_seconds})
         return out
 
     def breakdown(self) -> str:
