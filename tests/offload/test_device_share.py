@@ -234,7 +234,7 @@ def test_the_tier_is_planned_for_the_offloaded_share_only(tmp_path, device):
 def test_the_estimate_prints_what_the_split_engine_allocates(tmp_path, monkeypatch, stage, opt):
     """``offload estimate --config`` with a ratio: the embedded store's pool and swap are its offloaded parts, byte
     for byte, and its device rows are the kept share's state and accumulators."""
-    from tests.offload.test_memory_plan import _config as plan_config, _model, _optimizer_parts, _row, _step
+    from tests.offload.test_memory_plan import _config as plan_config, _model, _row, stepped_within_the_estimate
 
     monkeypatch.delenv("OFFLOAD_DAEMON_SOCKET", raising=False)
     monkeypatch.setattr("offload.plan.budget.available_bytes", lambda: 64 << 20)
@@ -244,10 +244,7 @@ def test_the_estimate_prints_what_the_split_engine_allocates(tmp_path, monkeypat
     row = _row(config, model, None)
     engine, _, _, _ = initialize(model=model, config=config)
     try:
-        _step(engine)
-        stats = engine.tier.store.stats()
-        assert stats.host_pool_capacity_bytes == _optimizer_parts(row, "host") + _optimizer_parts(row, "reserved")
-        assert stats.swap_capacity_bytes == _optimizer_parts(row, "nvme")
+        stepped_within_the_estimate(engine, row)
         kept = sum(n for what, where, n in row.parts if where == "device" and "offload_optimizer.ratio" in what)
         storage = engine.adam.storage
         assert kept == storage.bytes_by_tier()["device"] + sum(storage.grad(i).nbytes for i in storage.on_device) > 0

@@ -59,6 +59,16 @@ def _optimizer_parts(row, where: str) -> int:
     return sum(n for what, w, n in row.parts if w == where and not what.startswith(NOT_OPTIMIZER))
 
 
+def stepped_within_the_estimate(engine, row):
+    """One step; the embedded store's pool and swap capacities are ``row``'s optimizer parts, byte for byte.
+    Returns the store's stats."""
+    _step(engine)
+    stats = engine.tier.store.stats()
+    assert stats.host_pool_capacity_bytes == _optimizer_parts(row, "host") + _optimizer_parts(row, "reserved")
+    assert stats.swap_capacity_bytes == _optimizer_parts(row, "nvme")
+    return stats
+
+
 def _step(engine) -> None:
     x = torch.randn(4, 64)
     loss = engine(x).float().pow(2).mean()
@@ -100,10 +110,7 @@ def test_the_embedded_engine_allocates_what_the_estimate_prints(tmp_path, monkey
     row = _row(config, model, None)
     engine, _, _, _ = initialize(model=model, config=config)
     try:
-        _step(engine)
-        stats = engine.tier.store.stats()
-        assert stats.host_pool_capacity_bytes == _optimizer_parts(row, "host") + _optimizer_parts(row, "reserved")
-        assert stats.swap_capacity_bytes == _optimizer_parts(row, "nvme")
+        stats = stepped_within_the_estimate(engine, row)
         if opt == "cpu" and gradient_tier != "nvme":  # every region in host memory: the pool is what they take
             assert stats.host_pool_used_bytes == stats.host_pool_capacity_bytes
         else:
