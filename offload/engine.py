@@ -467,8 +467,7 @@ class Engine(DeepSpeedAccessors):
         _OPEN_ENGINES.discard(self)
         if self.delayed is not None:
             self.delayed.close()
-        if self.overlap is not None:
-            self.overlap.close()
+        failure = self.overlap.close() if self.overlap is not None else None  # raised once the rest is closed
         self.reducer.close()
         if self.commit is not None:
             self.commit.release()
@@ -482,12 +481,14 @@ class Engine(DeepSpeedAccessors):
             keep_session = True  # a rank killed before its close: the others keep their sessions for the restart
         if keep_session and self.tier is not None:
             self.tier.close(keep_session=True)
-            return
-        self.adam.storage.close()
-        if self.reporter is not None:
-            self.reporter.report(self, closing=True)  # the bytes of the transfers that settled in close
-        if self.tier is not None:
-            self.tier.close()
+        else:
+            self.adam.storage.close()
+            if self.reporter is not None:
+                self.reporter.report(self, closing=True)  # the bytes of the transfers that settled in close
+            if self.tier is not None:
+                self.tier.close()
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> "Engine":
         return self

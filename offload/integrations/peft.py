@@ -65,6 +65,7 @@ def save_adapter(engine, save_directory: str, **kwargs: Any) -> None:
                           f"{type(model).__name__}; engine.save_16bit_model saves a whole model")
     if "is_main_process" in kwargs:
         raise ConfigError("save_adapter sets is_main_process itself (rank 0 writes); do not pass it")
+    engine.settle()  # (offload.step_under_forward: the last step's params all in place)
     stage3 = getattr(engine, "stage3", None)
     held = contextlib.nullcontext()
     if stage3 is not None and kwargs.get("state_dict") is None:

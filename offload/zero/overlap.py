@@ -24,9 +24,9 @@ and, as in the ordinary path, in bf16 and fp32 too). So the early steps are spec
    is bit for bit the ordinary step's.
 What undoing keeps: with ``offload_optimizer`` cpu, a copy of each early sub-group's state block
 (master, exp_avg, exp_avg_sq: 12 bytes per element, plain host memory kept for the next step;
-the copy runs on the worker, under backward, and takes 1.1-1.7x as long as the Adam pass over
-the same block: ``tools/bench/bench_rollback_copy.py``, figures in
-``tools/bench/results/step-overlap_2core-epyc_202611.md``). The copies are bounded: at most
+a copy takes 1.1-1.7x as long as the Adam pass over the same block: ``tools/bench/bench_rollback_copy.py``,
+figures in ``tools/bench/results/step-overlap_2core-epyc_202611.md``; so they are made ahead, after the
+step before, not under backward: [Note: copies ahead]). The copies are bounded: at most
 as many early sub-groups per step as their copies fit in the share of available memory the
 nvme window takes (``copies_that_fit``; 1/2 of MemAvailable over the node's ranks), never
 fewer than MIN_COPIES; the rest is stepped after backward. With nvme, nothing: the early
@@ -200,6 +200,7 @@ class OverlappedStep:
         self.copies_ahead_used = 0
         """Early sub-groups whose rollback copy had been made ahead (none made under backward)."""
         self._ahead: dict[int, int] = {}  # sub-group -> the rollback copy made ahead for it
+        self._last_early = 0  # sub-groups the last step stepped under backward (kept or undone)
         self._ahead_future: concurrent.futures.Future | None = None
         self.rollback_seconds = 0.0
         """Time spent restoring early sub-groups (nvme: dropping them; the re-read is step time)."""
@@ -348,6 +349,7 @@ class OverlappedStep:
         ([Note: speculative step] in offload.checkpoint.resume)."""
         self.settle()
         eager = self._join()
+        self._last_early = len(eager)
         self._wait_ahead()  # (done already where sub-groups were stepped early: they queued after it)
         plan = self.adam.prepare_step()
         spec = self._plan
@@ -375,7 +377,8 @@ class OverlappedStep:
 
     # [Note: copies ahead] A rollback copy is of the state before the step, which is final as soon as the last
     # step is: the copies for the next step's early sub-groups (the first ones that are not on the device: they
-    # complete first, [Note: overlapped step]) are made right after a step, on the worker, queued after that
+    # complete first, [Note: overlapped step]; as many as the last step stepped early and one more, so that host
+    # memory holds the copies a backward uses, not all it may) are made right after a step, on the worker, queued after that
     # step's own work (its tail under the next forward), so that they run while the next forward and backward
     # (with accumulation, several of them) leave the CPU idle, not under the boundary's backward, where each one
     # took 1.1-1.7x the Adam pass it guards. An early sub-group whose copy was made ahead is stepped at once; any
@@ -386,7 +389,8 @@ class OverlappedStep:
         if self.adam.storage.nvme or self.commit is not None or not self.max_copies:
             return
         on_device = self.adam.storage.on_device
-        sgs = [i for i in range(len(self.adam.layout.sub_groups)) if i not in on_device][:self.max_copies]
+        count = min(self.max_copies, self._last_early + 1)  # what the last backward held, and one more
+        sgs = [i for i in range(len(self.adam.layout.sub_groups)) if i not in on_device][:count]
         if sgs and all(self._have_copy(k) for k in range(len(sgs))):
             self._ahead_future = self.pool.submit(self._make_copies, sgs)
 
@@ -437,10 +441,15 @@ class OverlappedStep:
         self.rollbacks += 1
         self.rollback_seconds += time.perf_counter() - t0
 
-    def close(self) -> None:
+    def close(self) -> BaseException | None:
+        """Undo what was stepped early, finish a step's tail, stop the worker. Returns what failed on the worker
+        (the engine raises it once its tiers are closed), None when nothing did."""
+        failure = None
         try:
             self.cancel()
-        finally:
-            if self.tail is not None:
-                self.tail.close()
-            self.pool.shutdown(wait=True)
+        except BaseException as exc:  # noqa: BLE001 - returned, not lost
+            failure = exc
+        if self.tail is not None:
+            self.tail.remove_hooks()
+        self.pool.shutdown(wait=True)
+        return failure

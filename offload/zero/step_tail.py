@@ -220,10 +220,8 @@ class StepTail:
         future.result()
         self.adam.publish()
 
-    def close(self) -> None:
-        try:
-            self.finish()
-        finally:
-            for h in self._handles:
-                h.remove()
-            self._handles = []
+    def remove_hooks(self) -> None:
+        """The forward's pre-hooks off the model (the engine is closing)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -7,8 +7,9 @@ clipping (global: the same on every rank), the layout's sizes, and this rank's f
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/offload/ranks_worker.py \
         OUT_DIR NVME_DIR STEPS GLOBAL_BATCH GRADIENT_CLIPPING 1:cpu 2:nvme 2:cpu:gloo 2:cpu:gas2 ...
 
-A run is STAGE:DEVICE[:gloo][:gas2]: "gloo" turns offload.node_shared_buffers off (the process
-group's collectives), "gas2" splits each rank's half-batch into two micro-batches.
+A run is STAGE:DEVICE[:gloo][:gas2][:half]: "gloo" turns offload.node_shared_buffers off (the process
+group's collectives), "gas2" splits each rank's half-batch into two micro-batches, "half" keeps half of the
+optimizer state on the device (offload_optimizer.ratio 0.5).
 """
 from __future__ import annotations
 
@@ -37,18 +38,20 @@ def main(out_dir: str, nvme_dir: str, steps: int, batch: int, clip: float, runs:
     rank, world, mine = start_rank(steps, batch)
     results = {}
     for run in runs:
-        stage, device, *opts = run.split(":")  # opts: "gloo" (no node-shared buffers), "gas2"
+        stage, device, *opts = run.split(":")  # opts: "gloo" (no node-shared buffers), "gas2", "half"
         gas = 2 if "gas2" in opts else 1
         model, _ = twin_models()
         config = engine_config(stage=int(stage), device=device, nvme_path=nvme_dir, batch_size=batch // gas,
                                world_size=world, gradient_clipping=clip, gas=gas,
                                offload={"node_shared_buffers": "gloo" not in opts})
+        if "half" in opts:  # half of the optimizer kept on the (here: the CPU) device ([Note: GPU-resident share])
+            config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
         layout = {}
         norms = []
 
         def inspect(engine, step):
             norms.append(engine.get_global_grad_norm())
-            layout.update(node_shared=engine.reducer._node is not None)
+            layout.update(node_shared=engine.reducer._node is not None, kept=len(engine.adam.storage.on_device))
             layout.update(world_size=engine.layout.world_size, total_numel=engine.layout.total_numel,
                           partition_numel=engine.layout.partition_numel, engine_world_size=engine.world_size)
 

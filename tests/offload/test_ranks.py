@@ -28,6 +28,7 @@ CLIP = 1.0
 RUNS = ["0:none", "1:cpu", "1:nvme", "2:cpu", "2:nvme"]
 # the same through the process group's collectives (no node-shared buffers), and with accumulation
 TWINS = [("1:cpu", "1:cpu:gloo"), ("2:cpu", "2:cpu:gloo"), ("2:cpu:gas2", "2:cpu:gas2:gloo")]
+HALF = ["2:cpu:half", "2:nvme:gloo:half"]  # half of the optimizer kept on the device, each rank its partition's
 TIMEOUT_SECONDS = 300
 
 
@@ -38,7 +39,7 @@ def two_ranks(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
     env.pop("OFFLOAD_DAEMON_SOCKET", None)
-    runs = RUNS + [r for pair in TWINS for r in pair if r not in RUNS]
+    runs = RUNS + [r for pair in TWINS for r in pair if r not in RUNS] + HALF
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER),
            str(out), str(nvme), str(STEPS), str(BATCH), str(CLIP), *runs]
     shm_before = _node_files()
@@ -105,3 +106,19 @@ def test_node_shared_buffers_give_the_process_groups_bits(shared, gloo, two_rank
         mine, theirs = torch.load(tag(shared, rank)), torch.load(tag(gloo, rank))
         for name in theirs:
             assert torch.equal(mine[name], theirs[name]), f"rank {rank}, {name}: differs from the process group's"
+
+
+@pytest.mark.parametrize("run", HALF)
+def test_two_ranks_with_half_of_the_state_kept_match_torch(run, two_ranks, torch_oracle):
+    """offload_optimizer.ratio 0.5 on two ranks: each keeps the last half of its own partition's sub-groups, and
+    the gathered params are torch's ([Note: GPU-resident share] in offload.zero.device_share)."""
+    out, results = two_ranks
+    ref_losses, ref_params, ref_norms = torch_oracle
+    assert results[run]["layout"]["kept"] > 0
+    assert_losses_close(results[run]["losses"], ref_losses, rel=1e-5)
+    assert_losses_close(results[run]["norms"], ref_norms, rel=1e-5)
+    name_of = run.replace(":", "_")
+    rank0, rank1 = (torch.load(out / f"params_{name_of}_rank{r}.pt") for r in (0, 1))
+    for name in ref_params:
+        assert torch.equal(rank0[name], rank1[name]), f"{name}: the ranks disagree"
+        torch.testing.assert_close(rank0[name], ref_params[name], msg=lambda m: f"{name}: {m}")

@@ -199,7 +199,9 @@ def test_a_failure_on_the_worker_reaches_the_next_forward(monkeypatch, tmp_path)
             engine.backward(loss_fn(engine(x), y))
             engine.step()
     with pytest.raises(RuntimeError, match="planted failure"):
-        engine.close()
+        engine.close()  # raised again, once the tier is closed
+    with pytest.raises(ConfigError, match="closed"):
+        engine.tier.store.allocate("after", 4096)
 
 
 def test_it_trains_as_torch_does(tmp_path):

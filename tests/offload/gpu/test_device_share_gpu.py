@@ -57,3 +57,15 @@ def test_the_split_on_the_gpu_matches_torch_and_the_serial_split(monkeypatch, st
     assert losses == serial_losses
     for name in params:
         assert torch.equal(params[name], serial_params[name]), name
+
+
+def test_auto_on_a_gpu_with_room_keeps_the_whole_state_there(tmp_path):
+    """The tiny model's state fits many times in what an H100/H200 has free beyond half of it: "auto" keeps all
+    of it, which is offload_optimizer none (no tier opened)."""
+    model, _ = twin_models()
+    config = engine_config(stage=1, device="cpu", batch_size=BATCH)
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = "auto"
+    seen = {}
+    run_engine(model, config, [(x.cuda(), y.cuda()) for x, y in make_batches(2, BATCH)],
+               on_step=lambda e, i: seen.update(tier=e.tier, device=e.adam.storage.bytes_by_tier()["device"]))
+    assert seen["tier"] is None and seen["device"] > 0
