@@ -359,7 +359,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                after_step=parts.coordinator.after_step if parts else None, fetcher=fetcher,
                                node=node)
         reducer = UnitGradReducer(layout, params, group=ranks.group, comm_world=ranks.world_size, land=adam.land,
-                                  fetcher=fetcher) \
+                                  fetcher=fetcher, device_units=device_buckets(layout, on_device)) \
             if stage3 else GradReducer(layout, flat_grads, params, stage=zero.stage, group=ranks.group,
                                        comm_world=ranks.world_size, land=adam.land, fetcher=fetcher, node=node,
                                        device_buckets=device_buckets(layout, on_device))

@@ -75,9 +75,9 @@ def _ratio_supported(config: Any) -> None:
     if not _offloaded(config.zero.offload_optimizer.device):
         raise ConfigError(f"{what} needs offload_optimizer.device cpu or nvme (with none the whole state is on the "
                           "device already): drop the key or offload the optimizer")
-    if config.zero.stage == 3:
-        raise ConfigError(f"{what} is not supported with zero_optimization.stage 3 yet (the GPU-resident share "
-                          "runs at stages 0-2): set it 1.0 or use stage 2")
+    if config.offload.gradient_tier == "nvme":
+        raise ConfigError(f"{what} and offload.gradient_tier \"nvme\" are exclusive (the kept share's accumulators "
+                          "are on the device, the rest stay in host memory): set gradient_tier \"auto\" or \"host\"")
     if config.offload.delayed_update:
         raise ConfigError(f"{what} and offload.delayed_update are exclusive (the delayed update steps the whole "
                           "state beside the next forward): turn one of them off")

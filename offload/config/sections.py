@@ -238,7 +238,7 @@ class OffloadOptimizerConfig(_OffloadTarget):
     """The share of the optimizer state offloaded, in [0, 1] (DeepSpeed's Twin-Flow): the rest, the
     sub-groups the next forward needs first, stays on the model's device and is stepped there by torch's
     fused AdamW. "auto": sized from the GPU memory left ([Note: GPU-resident share] in
-    offload.zero.device_share). 1.0, the default: all of it offloaded."""
+    offload.zero.device_share). 1.0, the default: all of it offloaded. Stages 0-3."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

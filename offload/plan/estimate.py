@@ -355,7 +355,7 @@ def _optimizer_parts(layout: FlatLayout, optimizer: str, stage: int, inp: Estima
         n = layout.partition_numel
         return [("fp32 gradient accumulators", "device", 4 * n), ("fp32 master + moments", "device", 12 * n)], 0
     pool = inp.daemon_pool if inp.daemon and inp.host_memory_bytes is None else None
-    kept = device_sub_groups(layout, inp.ratio) if stage < 3 else frozenset()
+    kept = device_sub_groups(layout, inp.ratio)
     plan = plan_optimizer(layout, inp.optimizer_settings(optimizer, stage), pool=pool, local_ranks=inp.node_ranks,
                           log=False, available=inp.available_host_bytes, on_device=kept)
     n = sum(layout.sub_groups[i].numel for i in kept)

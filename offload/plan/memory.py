@@ -290,7 +290,7 @@ def plan_optimizer(layout: FlatLayout, settings: OptimizerSettings, *, pool: Dae
             return None, "nothing (the daemon's pool could not be read)"
         return pool.rank_budget_bytes(local_ranks), f"1/{POOL_SHARE} of the daemon's pool"
 
-    grads_nvme = s.stage == 3 and gradients_on_nvme(  # [Note: gradient tier] in offload.zero.grad_tier
+    grads_nvme = s.stage == 3 and not on_device and gradients_on_nvme(  # [Note: gradient tier] in offload.zero.grad_tier
         s.gradient_tier, stage=s.stage, optimizer_nvme=s.nvme, partition_numel=numel, budget=budget, log=log,
         host_memory_bytes=s.host_memory_bytes, grad_itemsize=s.grad_itemsize)
     floor = _floor(sgs, s.buffer_count, grads_nvme)

@@ -24,8 +24,11 @@ optimizer's own device buffers are in place, less a reserve for activations and 
 and moments, and its fp32 accumulator). On a CPU model nothing is kept: host and "device" are one memory,
 and the offloaded path's own Adam is the faster.
 
-Not supported (``offload.config.combos``): stage 3, the delayed update, compressed states or masters, and
-a node daemon (the device's share would not outlive the process for a restart to resume).
+At stage 3 (DeepSpeed's only place for the key) the kept share writes its params into their shards
+(``params_out``; a copy to the host with ``offload_param`` cpu), and its units' gradients land from the
+device; the accumulators stay off NVMe (``gradient_tier`` "auto" keeps them in host memory). Not supported
+(``offload.config.combos``): ``gradient_tier`` "nvme", the delayed update, compressed states or masters,
+and a node daemon (the device's share would not outlive the process for a restart to resume).
 """
 from __future__ import annotations
 

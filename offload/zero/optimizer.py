@@ -345,7 +345,9 @@ class PartitionedAdam:
 
     def _flat_out(self, piece: Piece) -> torch.Tensor:
         """Where a device-resident piece's new params go: the flat buffer, in place (stepped after backward,
-        before anything reads them again)."""
+        before anything reads them again); stage 3's param shard (``params_out``)."""
+        if self._params_out is not None:
+            return self._params_out(piece)
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
     def _out(self, piece: Piece) -> torch.Tensor:
@@ -491,4 +493,8 @@ def _torch_adam(masters, grads, ms, vs, outs, hyper: AdamConfig, mult: float, st
     functional_adam(masters, grads, ms, vs, [], steps, fused=True, amsgrad=False, beta1=hyper.beta1,
                     beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps,
                     maximize=False, decoupled_weight_decay=hyper.adamw_mode)
-    torch._foreach_copy_(outs, masters)
+    if all(o.device == device for o in outs):
+        torch._foreach_copy_(outs, masters)
+    else:  # stage 3's kept share with its shards on the host ([Note: GPU-resident share])
+        for out, master in zip(outs, masters):
+            out.copy_(master)

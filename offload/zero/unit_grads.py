@@ -55,8 +55,12 @@ class UnitGradReducer:
     """Per-unit gradient buffers, reduced as each unit's backward completes (the engine's reducer for stage 3)."""
 
     def __init__(self, layout: FlatLayout, params: Sequence[torch.nn.Parameter], *, group: dist.ProcessGroup | None,
-                 comm_world: int, land: Land, max_in_flight: int = 2, fetcher: Any = None) -> None:
+                 comm_world: int, land: Land, max_in_flight: int = 2, fetcher: Any = None,
+                 device_units: frozenset[int] = frozenset()) -> None:
+        """``device_units``: units whose shard lands in device-resident accumulators only, from the device, never
+        copied to the host ([Note: GPU-resident share] in offload.zero.device_share)."""
         self.layout = layout
+        self._device_units = device_units
         self.params = list(params)
         self.group = group
         self.comm_world = comm_world
@@ -217,7 +221,7 @@ class UnitGradReducer:
 
     def _reduced(self, b: Bucket, grad: torch.Tensor) -> None:
         """A unit's reduced gradient: landed now, or (a GPU one, with a fetcher) sent to the host first."""
-        if self._fetcher is None or not grad.is_cuda:
+        if self._fetcher is None or not grad.is_cuda or b.index in self._device_units:
             self._land(b, grad, self._first, self._final)
             return
         while len(self._offloading) >= self.max_in_flight:

@@ -17,7 +17,7 @@ BATCH = 8
 CLIP = 6.5  # as in tests/offload/test_overlap.py: some steps clip, some do not
 
 
-def _run(monkeypatch, overlap, stage, device, tmp_path, clip):
+def _run(monkeypatch, overlap, stage, device, tmp_path, clip, param="none"):
     offloaded: list[int] = []
     start = Fetcher.start_offload
 
@@ -31,6 +31,8 @@ def _run(monkeypatch, overlap, stage, device, tmp_path, clip):
     config = engine_config(stage=stage, device=device, nvme_path=tmp_path, gradient_clipping=clip,
                            offload={"overlap_step": overlap})
     config["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    if param != "none":
+        config["zero_optimization"]["offload_param"] = {"device": param}
     seen = {}
 
     def inspect(engine, step):
@@ -40,8 +42,10 @@ def _run(monkeypatch, overlap, stage, device, tmp_path, clip):
         kept_buckets = {p.bucket for i in storage.on_device for p in engine.layout.sub_groups[i].pieces}
         whole = {b for b in kept_buckets if all(sg.index in storage.on_device for sg in engine.layout.sub_groups
                                                  for p in sg.pieces if p.bucket == b)}
-        grads = engine.reducer.flat_grads
-        seen["kept_ptrs"] = {grads[engine.layout.buckets[b].start:].data_ptr() for b in whole}
+        seen["offloaded_units"] = len(engine.layout.buckets) - len(whole)  # what one backward sends to the host
+        if stage < 3:
+            grads = engine.reducer.flat_grads
+            seen["kept_ptrs"] = {grads[engine.layout.buckets[b].start:].data_ptr() for b in whole}
 
     losses, params = run_engine(model, config, batches, on_step=inspect)
     return losses, params, seen, offloaded
@@ -69,3 +73,13 @@ def test_auto_on_a_gpu_with_room_keeps_the_whole_state_there(tmp_path):
     run_engine(model, config, [(x.cuda(), y.cuda()) for x, y in make_batches(2, BATCH)],
                on_step=lambda e, i: seen.update(tier=e.tier, device=e.adam.storage.bytes_by_tier()["device"]))
     assert seen["tier"] is None and seen["device"] > 0
+
+
+@pytest.mark.parametrize("device,param", [("cpu", "none"), ("cpu", "cpu"), ("nvme", "cpu")])
+def test_the_split_at_stage_3_on_the_gpu_matches_torch(monkeypatch, device, param, tmp_path):
+    """DeepSpeed's place for the key: the kept units' gradients land from the GPU (one D2H copy a backward for
+    each other unit only), their params written into their shards (on the host with offload_param cpu)."""
+    losses, params, seen, offloaded = _run(monkeypatch, "auto", 3, device, tmp_path, 0.0, param=param)
+    assert seen["kept"] and seen["on_gpu"]
+    assert 0 < seen["offloaded_units"] and len(offloaded) == STEPS * seen["offloaded_units"]
+    assert_matches_torch(losses, params, make_batches(STEPS, BATCH), device="cuda")
