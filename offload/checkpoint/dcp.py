@@ -1,4 +1,5 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): save, load (onto any world size), consolidate.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): save, load (onto any world size); reading one back
+into plain weights is ``offload.checkpoint.weights``'s.
 
 What a checkpoint holds, one DCP entry each:
 - ``module.<key>``: the module's state dict as it is (compute dtype; buffers and frozen params too; at
@@ -38,15 +39,13 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from csrc import ConfigError
 from offload.checkpoint.tags import LATEST, METADATA, failed_save, prune, resolve_path, write_latest
-from offload.hf.names import model_for_names, original_format
 from offload.checkpoint.rng import rng_state, set_rng_state
-from offload.hf.safetensors_out import (DEFAULT_MAX_SHARD_SIZE_BYTES, ShardedWriter, generation_config_json,
-                                        model_config_json, write_config)
+from offload.hf.safetensors_out import generation_config_json, model_config_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["checkpoint_path", "checkpoint_step", "consolidate", "consolidate_safetensors", "load_checkpoint",
-           "resolve_path", "save_checkpoint"]
+__all__ = ["checkpoint_path", "checkpoint_step", "load_checkpoint", "quiet_single_process", "resolve_path",
+           "save_checkpoint"]
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # their places in a sub-group's state block
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar for saves and loads at least this large
@@ -312,7 +311,7 @@ class _LoadPlanner(dcp.DefaultLoadPlanner):
 
 
 @contextlib.contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """DCP warns that it assumes one process whenever torch.distributed is not initialized: that is meant here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -375,7 +374,7 @@ def save_checkpoint(engine, save_dir: str, *, tag: str | None, client_state: dic
     progress = _progress(lazy.total_bytes, f"saving {path}")
     created = not os.path.exists(os.path.join(path, METADATA))  # written last, by rank 0: no race with the others
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=True, thread_count=1),
                      planner=_SavePlanner(lazy, resident, progress, frozen), no_dist=not dist.is_initialized())
     except (Exception, dcp.api.CheckpointException) as err:  # DCP's is a BaseException
@@ -428,7 +427,7 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
     resident = _Resident(lazy.storage, write=True)
     progress = _progress(lazy.total_bytes if load_optimizer_states else 0, f"loading {path}")
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path),
                      planner=_LoadPlanner(lazy, resident, progress, frozen), no_dist=not dist.is_initialized())
     finally:
@@ -454,7 +453,7 @@ def load_checkpoint(engine, load_dir: str, *, tag: str | None, load_optimizer_st
 def checkpoint_step(path: str) -> int:
     """The global step a checkpoint was saved at, read from its ``engine`` entry alone (each rank on its own)."""
     state: dict[str, Any] = {"engine": b""}
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return int(pickle.loads(state["engine"])["global_steps"])
 
@@ -466,93 +465,3 @@ def checkpoint_path(checkpoint: str) -> str:
         with open(latest) as f:
             return os.path.join(checkpoint, f.read().strip())
     return checkpoint
-
-
-class _Saved:
-    """What ``consolidate`` reads: the fp32 weights of a checkpoint, key by key."""
-
-    def __init__(self, checkpoint: str) -> None:
-        self.path = checkpoint_path(checkpoint)
-        try:
-            self.metadata = dcp.FileSystemReader(self.path).read_metadata()
-        except FileNotFoundError:
-            raise ConfigError(f"{checkpoint} is not a checkpoint (no DCP metadata there, nor a 'latest' file "
-                              "naming one)") from None
-        holder = {"engine": b""}
-        with _quiet_single_process():
-            dcp.load(holder, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
-        self.meta = pickle.loads(holder["engine"])
-        self.shapes = dict(self.meta["params"])
-        self.frozen_shapes = self.meta.get("frozen_shapes", {})  # stage 3's frozen params: 1-D entries
-        self.aliases = self.meta.get("aliases", {})  # tied params: one optimizer entry, every name gets its master
-
-    def entry(self, key: str) -> tuple[str, torch.Tensor]:
-        """(the checkpoint entry holding ``key``'s fp32 value, an empty tensor to load it into)."""
-        name = self.aliases.get(key, key)
-        if name in self.shapes:
-            numel = 1
-            for d in self.shapes[name]:
-                numel *= d
-            return f"optim.{name}.master", torch.empty(numel, dtype=torch.float32)
-        md = self.metadata.state_dict_metadata[f"module.{key}"]
-        return f"module.{key}", torch.empty(md.size, dtype=md.properties.dtype)
-
-    def load(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """The values of ``keys`` (module state-dict names), shaped as the module has them."""
-        state = dict(self.entry(k) for k in keys)
-        with _quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(self.path), no_dist=True)
-        out = {}
-        for key in keys:
-            entry = self.entry(key)[0]
-            name = self.aliases.get(key, key)
-            shape = self.shapes.get(name, self.frozen_shapes.get(key))
-            out[key] = state[entry].view(shape) if shape is not None else state[entry]
-        return out
-
-
-def consolidate(checkpoint: str, out_path: str) -> dict[str, torch.Tensor]:
-    """Write the fp32 weights of a checkpoint as a plain state dict that ``model.load_state_dict`` accepts.
-
-    Trainable params come from the fp32 masters; buffers and frozen params from the module entries.
-    Runs in one process, whatever world size saved it. ``checkpoint`` may be the save directory (its
-    ``latest`` is followed)."""
-    saved = _Saved(checkpoint)
-    out = saved.load(list(saved.meta["module_keys"]))
-    torch.save(out, out_path)
-    return out
-
-
-def consolidate_safetensors(checkpoint: str, out_dir: str, *,
-                            max_shard_size_bytes: int = DEFAULT_MAX_SHARD_SIZE_BYTES) -> list[str]:
-    """Write the fp32 weights of a checkpoint as sharded safetensors + index (+ the model's ``config.json``
-    when the engine's model had one, and its ``generation_config.json`` when it generates): a directory
-    ``from_pretrained`` loads, under the names ``save_pretrained`` writes when transformers can build that
-    config on the meta device. Reads one output file's worth at a time. Tied names are written once (the
-    first). Returns the files written."""
-    saved = _Saved(checkpoint)
-    writer = ShardedWriter(out_dir, max_shard_size_bytes=max_shard_size_bytes)
-    names_model = model_for_names(saved.meta.get("model_config"))  # [Note: converted names]
-
-    def add(values: dict[str, torch.Tensor]) -> None:
-        for k, v in values.items():
-            for name, tensor in original_format(names_model, k, v) if names_model is not None else [(k, v)]:
-                writer.add(name, tensor)
-
-    group: list[str] = []
-    group_bytes = 0
-    for key in saved.meta["module_keys"]:
-        if key in saved.aliases:
-            continue
-        tensor = saved.entry(key)[1]
-        nbytes = tensor.numel() * tensor.element_size()
-        if group and group_bytes + nbytes > max_shard_size_bytes:
-            add(saved.load(group))
-            group, group_bytes = [], 0
-        group.append(key)
-        group_bytes += nbytes
-    if group:
-        add(saved.load(group))
-    names = writer.close()
-    write_config(out_dir, saved.meta.get("model_config"), saved.meta.get("generation_config"))
-    return names

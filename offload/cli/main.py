@@ -153,7 +153,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from offload.checkpoint.dcp import consolidate, consolidate_safetensors
+    from offload.checkpoint.weights import consolidate, consolidate_safetensors
 
     if args.format == "safetensors":
         names = consolidate_safetensors(args.checkpoint, args.out, max_shard_size_bytes=args.max_shard_size_bytes)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import json
 import logging
 import os
 from datetime import timedelta
@@ -64,6 +63,8 @@ from offload.builder import initialize
 from offload.config.client_optimizer import read_client_optimizer
 from offload.engine import Engine
 from offload.hf.init_context import init_context
+from offload.integrations.lightning_config import (PRECISIONS, default_config, load_config, precision_of,
+                                                   put_accumulation, put_clipping, put_precision, stage_of)
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ __all__ = ["CHECKPOINT_TAG", "OffloadPrecision", "OffloadStrategy"]
 CHECKPOINT_TAG = "checkpoint"
 """The engine checkpoint's tag under the directory Lightning names (``DeepSpeedStrategy``'s too)."""
 
-_PRECISIONS = {"32-true": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16", "16-true": "fp16"}
 
 
 def _engine_of(module: "pl.LightningModule") -> Engine:
@@ -97,10 +97,10 @@ class OffloadPrecision(Precision):
     does. The module is built in fp32 either way: ``initialize`` takes the fp32 masters from it."""
 
     def __init__(self, precision: str = "32-true") -> None:
-        if precision not in _PRECISIONS:
-            raise ConfigError(f"OffloadPrecision({precision!r}): one of {', '.join(_PRECISIONS)}")
+        if precision not in PRECISIONS:
+            raise ConfigError(f"OffloadPrecision({precision!r}): one of {', '.join(PRECISIONS)}")
         self.precision = precision
-        self._dtype = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[_PRECISIONS[precision]]
+        self._dtype = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[PRECISIONS[precision]]
 
     def convert_input(self, data: Any) -> Any:
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self._dtype)
@@ -133,28 +133,6 @@ class OffloadPrecision(Precision):
     def clip_gradients(self, optimizer: Optimizer, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """The engine clips at its step, by the config's ``gradient_clipping`` (``gradient_clip_val`` goes there)."""
-
-
-def _load_config(config: Any) -> dict[str, Any]:
-    if isinstance(config, (str, os.PathLike)):
-        with open(config, encoding="utf-8") as f:
-            return json.load(f)
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise ConfigError(f"OffloadStrategy(config=...): a DeepSpeed-style config dict or a JSON path, not "
-                      f"{type(config).__name__}")
-
-
-def _stage(config: Mapping[str, Any]) -> int:
-    return int((config.get("zero_optimization") or {}).get("stage", 0))
-
-
-def _precision_of(config: Mapping[str, Any]) -> str:
-    if (config.get("fp16") or {}).get("enabled"):
-        return "16-mixed"
-    if (config.get("bf16") or {}).get("enabled"):
-        return "bf16-mixed"
-    return "32-true"
 
 
 def _repoint(scheduler: Any, client: Optimizer, engine_optimizer: Optimizer) -> None:
@@ -207,13 +185,13 @@ class OffloadStrategy(DDPStrategy):
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         if config is None:
-            config = _default_config(zero_stage, offload_optimizer, offload_params, nvme_path)
+            config = default_config(zero_stage, offload_optimizer, offload_params, nvme_path)
         elif (zero_stage, offload_optimizer, offload_params, nvme_path) != (None,) * 4:
             raise ConfigError("OffloadStrategy: give config= or zero_stage/offload_optimizer/offload_params/"
                               "nvme_path, not both")
-        self._user_config = _load_config(config)
+        self._user_config = load_config(config)
         if precision_plugin is None:
-            precision_plugin = OffloadPrecision(_precision_of(self._user_config))
+            precision_plugin = OffloadPrecision(precision_of(self._user_config))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -231,7 +209,7 @@ class OffloadStrategy(DDPStrategy):
     @property
     def precision_plugin(self) -> Precision:
         if self._precision_plugin is None:
-            return OffloadPrecision(_precision_of(self._user_config))
+            return OffloadPrecision(precision_of(self._user_config))
         return self._precision_plugin
 
     @precision_plugin.setter
@@ -240,15 +218,15 @@ class OffloadStrategy(DDPStrategy):
         name) becomes OffloadPrecision of the same precision; any other plugin is an error."""
         if plugin is not None and not isinstance(plugin, OffloadPrecision):
             precision = getattr(plugin, "precision", None)
-            if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or precision not in _PRECISIONS:
+            if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or precision not in PRECISIONS:
                 raise ConfigError(f"{type(plugin).__name__} does not run with OffloadStrategy: precision is the "
-                                  f"config's bf16/fp16 sections, or OffloadPrecision(one of {', '.join(_PRECISIONS)})")
+                                  f"config's bf16/fp16 sections, or OffloadPrecision(one of {', '.join(PRECISIONS)})")
             plugin = OffloadPrecision(precision)
         self._precision_plugin = plugin
 
     @property
     def zero_stage_3(self) -> bool:
-        return _stage(self._user_config) == 3
+        return stage_of(self._user_config) == 3
 
     # -- Lightning's hooks, in the order a fit calls them --------------------------------------
 
@@ -369,8 +347,8 @@ class OffloadStrategy(DDPStrategy):
         trainer = module.trainer if module is not None else None
         cfg = copy.deepcopy(self._user_config)
         if trainer is not None:
-            _put_accumulation(cfg, trainer.accumulate_grad_batches)
-            _put_clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            put_accumulation(cfg, trainer.accumulate_grad_batches)
+            put_clipping(cfg, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
             if "train_batch_size" not in cfg and "train_micro_batch_size_per_gpu" not in cfg:
                 cfg["train_micro_batch_size_per_gpu"] = _loader_batch_size(trainer)
             flag = getattr(trainer._accelerator_connector, "_precision_flag", None)
@@ -380,7 +358,7 @@ class OffloadStrategy(DDPStrategy):
                                   "disagree: the strategy's is used; set it in the config")
         elif "train_batch_size" not in cfg:
             cfg.setdefault("train_micro_batch_size_per_gpu", 1)
-        _put_precision(cfg, self.precision_plugin.precision)
+        put_precision(cfg, self.precision_plugin.precision)
         self.config = cfg
         return cfg
 
@@ -431,49 +409,6 @@ class OffloadStrategy(DDPStrategy):
                               "stage 3) needs the engine of a fit: run trainer.fit first with this Trainer")
         module.to(self.root_device)
         return module
-
-
-def _default_config(stage: int | None, optimizer: str | None, params: str | None, nvme_path: str | None) -> dict:
-    if stage is None:
-        raise ConfigError("OffloadStrategy needs config= (the DeepSpeed-style dict or JSON path) or zero_stage=")
-
-    def where(device: str | None) -> dict[str, Any]:
-        return {"device": device or "none", **({"nvme_path": nvme_path} if device == "nvme" else {})}
-
-    zero = {"stage": stage, "offload_optimizer": where(optimizer)}
-    if params is not None:
-        zero["offload_param"] = where(params)
-    return {"zero_optimization": zero}
-
-
-def _put_accumulation(cfg: dict[str, Any], batches: int) -> None:
-    given = cfg.get("gradient_accumulation_steps", batches)
-    if given != batches:
-        raise ConfigError(f"the config's gradient_accumulation_steps is {given} and Trainer(accumulate_grad_batches="
-                          f"{batches}): leave it out of the config, the Trainer's is used")
-    cfg["gradient_accumulation_steps"] = batches
-
-
-def _put_clipping(cfg: dict[str, Any], value: float | None, algorithm: Any) -> None:
-    if not value:
-        return
-    if algorithm == GradClipAlgorithmType.VALUE:
-        raise ConfigError("Trainer(gradient_clip_algorithm='value'): the engine clips by the global norm only "
-                          "(gradient_clip_algorithm='norm', or the config's gradient_clipping)")
-    given = cfg.get("gradient_clipping")
-    if given and float(given) != float(value):
-        raise ConfigError(f"the config's gradient_clipping is {given} and Trainer(gradient_clip_val={value}): "
-                          "give one of them")
-    cfg["gradient_clipping"] = float(value)
-
-
-def _put_precision(cfg: dict[str, Any], precision: str) -> None:
-    want, have = _PRECISIONS[precision], _precision_of(cfg)
-    if _PRECISIONS[have] == want:
-        return
-    if have != "32-true" or want is None:
-        raise ConfigError(f"the precision plugin says {precision!r} and the config's bf16/fp16 sections {have!r}")
-    cfg[want] = {**(cfg.get(want) or {}), "enabled": True}
 
 
 def _loader_batch_size(trainer: "pl.Trainer") -> int:

@@ -22,7 +22,7 @@ pytest.importorskip("peft", reason="peft is not installed (pip install .[hf])")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from offload import ConfigError, init_context, initialize  # noqa: E402
-from offload.checkpoint.dcp import consolidate  # noqa: E402
+from offload.checkpoint.weights import consolidate  # noqa: E402
 from offload.integrations.peft import save_adapter  # noqa: E402
 from tests.offload import hf_models as hf  # noqa: E402
 
