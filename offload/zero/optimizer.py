@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.optim.adam import adam as functional_adam  # torch.optim does not expose its submodules as attributes
 
 from cpu_adam import AdamConfig, adam_step, grad_land, grad_sumsq
 from csrc import ConfigError
 from offload.zero.collectives import all_gather_single
+from offload.zero.device_adam import device_sumsq, torch_adam
 from offload.zero.grads import Source, shard_source
 from offload.zero.layout import Bucket, FlatLayout, Piece, SubGroup
 from offload.zero.states import StateStorage
@@ -159,9 +159,9 @@ class PartitionedAdam:
                 if not final:
                     continue
                 if dst.is_cpu:
-                    self.sumsq += _sumsq(dst, self.num_threads)
-                else:  # kept on the device, read once at the step ([Note: GPU-resident share])
-                    part = dst.double().square().sum()
+                    self.sumsq += grad_sumsq([dst], num_threads=self.num_threads)
+                else:  # kept on the device, read once at the step (no wait a bucket)
+                    part = device_sumsq(dst)
                     self._sumsq_device = part if self._sumsq_device is None else self._sumsq_device.add_(part)
         for sg, _ in pieces:  # (with the gradient tier on NVMe, a sub-group's last piece sends it back)
             self.storage.grad_landed(sg)
@@ -405,7 +405,7 @@ class PartitionedAdam:
             steps = [torch.full((1,), float(step_count)) for _ in pieces]
             adam_step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs)
         else:
-            _torch_adam(masters, grads, ms, vs, outs, hyper, mult, step_count)
+            torch_adam(masters, grads, ms, vs, outs, hyper, mult, step_count)
 
     def _step_compressed(self, sg: SubGroup, state: torch.Tensor, grad: torch.Tensor, mult: float,
                          plan: StepPlan) -> None:
@@ -477,24 +477,3 @@ class PartitionedAdam:
             finally:
                 self.storage.release(i, dirty=write)
         self.storage.drain()
-
-
-def _sumsq(t: torch.Tensor, num_threads: int | None) -> float:
-    if t.is_cpu:
-        return grad_sumsq([t], num_threads=num_threads)
-    return float(torch.sum(t.double() ** 2).item())
-
-
-def _torch_adam(masters, grads, ms, vs, outs, hyper: AdamConfig, mult: float, step_count: int) -> None:
-    """The optimizer state on a GPU (offload none): torch's fused Adam, then the param copy."""
-    device = masters[0].device
-    steps = [torch.full((1,), float(step_count), device=device) for _ in masters]
-    torch._foreach_mul_(grads, mult)
-    functional_adam(masters, grads, ms, vs, [], steps, fused=True, amsgrad=False, beta1=hyper.beta1,
-                    beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps,
-                    maximize=False, decoupled_weight_decay=hyper.adamw_mode)
-    if all(o.device == device for o in outs):
-        torch._foreach_copy_(outs, masters)
-    else:  # stage 3's kept share with its shards on the host ([Note: GPU-resident share])
-        for out, master in zip(outs, masters):
-            out.copy_(master)

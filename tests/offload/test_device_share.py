@@ -289,3 +289,13 @@ def test_a_checkpoint_of_the_split_state_resumes_bit_for_bit(tmp_path, device):
             engine.close()
     for name, value in runs[0].items():
         assert torch.equal(value, runs[1][name]), name
+
+
+def test_the_device_sum_of_squares_is_the_hosts():
+    """device_sumsq (gradients landed on the device: read once at the step) in chunks, against cpu_adam's own."""
+    from cpu_adam import grad_sumsq
+    from offload.zero.device_adam import device_sumsq
+
+    t = torch.randn(1001, generator=torch.Generator().manual_seed(3))
+    for chunk in (7, 1000, 1001, 1 << 24):
+        assert float(device_sumsq(t, chunk=chunk)) == pytest.approx(grad_sumsq([t]), rel=1e-12)
