@@ -85,9 +85,12 @@ class Choice:
     master_dtype: str = "fp32"
     grad_accum_dtype: str = "fp32"
     gradient_tier: str = "auto"
+    ratio: float = 1.0
+    """offload_optimizer.ratio: the share offloaded, the rest kept on the GPU ([Note: GPU-resident share])."""
 
 
 CHOICES = (
+    Choice("z1-opt-cpu-half", 1, ratio=0.5),
     Choice("z1-opt-cpu", 1),
     Choice("z1-opt-cpu-int8", 1, state_dtype="int8", grad_accum_dtype="bf16"),
     Choice("z1-opt-cpu-lean", 1, state_dtype="int8", master_dtype="bf16", grad_accum_dtype="bf16"),
@@ -100,7 +103,9 @@ CHOICES = (
     Choice("z3-nvme-lean", 3, optimizer="nvme", param="nvme", state_dtype="int8", master_dtype="bf16",
            grad_accum_dtype="bf16"),
 )
-"""Fastest first ([Note: the estimate's pick]). Stage 1, not 2, where the params stay on the GPU: with one rank
+"""Fastest first ([Note: the estimate's pick]): half of the fp32 state on the GPU where it fits there (half
+the CPU's Adam and of the bytes moved, and the GPU's fused AdamW on the rest), then all of it on the host,
+then smaller host states. Stage 1, not 2, where the params stay on the GPU: with one rank
 both hold the same bytes, but stage 1 accumulates the micro-batches' gradients in the GPU's flat buffer and
 moves them to the host once a step, stage 2 at every micro-batch (``offload.zero.grads``)."""
 
@@ -112,6 +117,8 @@ def engine_config(choice: Choice, *, micro_batch: int, accum: int, nvme_path: st
 
     zero = {"stage": choice.stage, "offload_optimizer": where(choice.optimizer, 4), "sub_group_size": 100_000_000,
             "reduce_bucket_size": 50_000_000}
+    if choice.ratio != 1.0:
+        zero["offload_optimizer"]["ratio"] = choice.ratio
     if choice.gradient_tier == "nvme":  # the accumulators' swap file goes under the optimizer's nvme_path
         zero["offload_optimizer"]["nvme_path"] = nvme_path
     if choice.stage == 3:

@@ -131,7 +131,7 @@ def test_the_tiny_model_trains_on_both_engines_with_the_same_losses(tmp_path, ar
     if stage == 3:
         assert "ratio 0.5" in text and '"master_dtype": "bf16"' in text
     else:
-        assert "of each memory (the disk less the checkpoint): z1-opt-cpu:" in text and "fits" in text
+        assert "of each memory (the disk less the checkpoint): z1-opt-cpu-half:" in text and "fits" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cpu refuses it")
