@@ -206,6 +206,8 @@ class OverlappedStep:
         """Time spent restoring early sub-groups (nvme: dropping them; the re-read is step time)."""
         self.early_sub_groups = 0
         """Sub-groups stepped early and kept."""
+        self.last_early: list[int] = []
+        """The last step's sub-groups stepped under backward and kept, in the order they were stepped."""
         self.rollbacks = 0
         """Steps whose early sub-groups were undone (clipping, overflow, a changed hyperparameter)."""
         self.tail = None
@@ -365,6 +367,7 @@ class OverlappedStep:
             for sg in eager:
                 self.adam.storage.release(sg, dirty=True)
         self.early_sub_groups += len(eager)
+        self.last_early = list(eager)
         self.adam.reset_publishing()
         self.adam.publish_sub_groups(eager)  # final now ([Note: publish as stepped] in offload.zero.optimizer)
         self._ahead = {}

@@ -46,6 +46,8 @@ def _run(tmp_path, **kw):
     def inspect(engine, step):
         tail = engine.overlap.tail if engine.overlap is not None else None
         seen["sub_groups"] = len(engine.layout.sub_groups)
+        if tail is not None:  # the schedule: which sub-groups under backward, which under the next forward
+            seen.setdefault("schedule", []).append((list(engine.overlap.last_early), list(tail._order)))
         seen["stats"] = engine.offload_stats()
         if tail is not None:
             seen["waits"].append(list(tail.last_waits))  # the forward of this step, under the last step's tail
@@ -69,6 +71,11 @@ def test_the_step_under_the_forward_is_the_serial_step_bit_for_bit(slow_worker, 
         assert torch.equal(params[name], serial_params[name]), name
     stats = seen["stats"]
     assert stats.sub_groups_stepped_under_forward_total > 0 and seen["busy"] == STEPS  # each step left a tail
+    n = seen["sub_groups"]
+    for early, tail in seen["schedule"]:  # every host sub-group once: the first under backward, the rest after
+        kept = set(range(n)) - set(early) - set(tail)
+        assert not set(early) & set(tail) and len(early) <= FEW_EARLY and early == sorted(early)
+        assert all(i > max(early, default=-1) for i in kept) and (ratio is not None or not kept)
     assert stats.forward_wait_seconds_total > 0
     n = seen["sub_groups"]
     for waits in seen["waits"][1:]:  # every forward after a step waited, module by module, along the order
