@@ -40,7 +40,7 @@ from offload.zero.grads import GradReducer
 from offload.zero.layout import FlatLayout
 from offload.zero.node_buffers import open_node_buffers, write_own_shards
 from offload.zero.optimizer import OffloadOptimizer, PartitionedAdam
-from offload.zero.overlap import OverlappedStep, overlap_wanted
+from offload.zero.overlap import OverlappedStep, overlap_runs, overlap_wanted
 from offload.zero.stage3 import build_stage3, replace_meta_params
 from offload.zero.state_format import StateFormat
 from offload.zero.states import StateStorage
@@ -372,7 +372,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
             from offload.zero.delayed import DelayedUpdate
 
             engine.delayed = DelayedUpdate(adam, warmup_steps=cfg.offload.delayed_update_warmup_steps)
-        if overlap:
+        if overlap_runs(overlap, stage=zero.stage, grads_nvme=grads_nvme, daemon=tier is not None and tier.daemon):
             engine.overlap = OverlappedStep(adam, gradient_clipping=cfg.gradient_clipping)
             reducer.land_early = True  # [Note: landing early] in offload.zero.overlap
         if cfg.offload.step_under_forward:  # [Note: the step under the next forward] in offload.zero.step_tail

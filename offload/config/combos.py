@@ -62,9 +62,6 @@ def _overlap_step_supported(config: Any) -> None:
     if not _offloaded(config.zero.offload_optimizer.device):
         raise ConfigError("offload.overlap_step needs zero_optimization.offload_optimizer.device cpu or nvme "
                           "(it overlaps the CPU's optimizer step with backward)")
-    if config.zero.stage == 3:
-        raise ConfigError("offload.overlap_step is not supported with zero_optimization.stage 3 (the step "
-                          "writes the param shards that backward's hooks gather from): set it false or \"auto\"")
 
 
 def _ratio_supported(config: Any) -> None:

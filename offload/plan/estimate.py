@@ -377,7 +377,7 @@ def _staged_update_parts(stage: int, layout: FlatLayout, optimizer: str, inp: Es
         return []
     overlap = inp.overlap(stage, optimizer)
     parts = []
-    if inp.gpu or inp.delayed_update or overlap:
+    if stage < 3 and (inp.gpu or inp.delayed_update or overlap):
         parts.append(("param staging (compute dtype)", "host", inp.compute_bytes * layout.partition_numel))
     if overlap and optimizer == "cpu":  # a copy of each state block stepped early, the largest first
         fmt = StateFormat(inp.state_dtype, inp.master_dtype)
@@ -386,6 +386,8 @@ def _staged_update_parts(stage: int, layout: FlatLayout, optimizer: str, inp: Es
         copies = min(len(sgs), copies_that_fit([sg.numel for sg in sgs], available=inp.available_host_bytes,
                                                local_ranks=inp.node_ranks, log=False))
         parts.append(("rollback copies (offload.overlap_step)", "host", sum(fmt.state_bytes(sg) for sg in sgs[:copies])))
+        if stage == 3:  # and the early sub-groups' new params until the verdict ([Note: early steps at stage 3])
+            parts.append(("early params (offload.overlap_step)", "host", copies * inp.compute_bytes * sgs[0].numel))
     return parts
 
 
@@ -419,7 +421,7 @@ def _stage3(optimizer: str, param: str, inp: EstimateInput) -> tuple[list, tuple
             parts.append(("param shards", "host", shards.resident_bytes))
         sessions.append(_session_bytes(shards, inp))
     opt, session = _optimizer_parts(layout, optimizer, 3, inp)
-    return parts + opt, ((session,) if session else ()) + tuple(sessions)
+    return parts + opt + _staged_update_parts(3, layout, optimizer, inp), ((session,) if session else ()) + tuple(sessions)
 
 
 def estimate(inp: EstimateInput, *, stages: Iterable[int] = (0, 1, 2, 3)) -> Estimate:

@@ -252,10 +252,17 @@ class PartitionedAdam:
             if stepped is not None:
                 stepped(i, pending)
 
-    def step_sub_group(self, i: int, state: torch.Tensor, grad_multiplier: float, plan: StepPlan) -> None:
-        """Adam over one sub-group's resident ``state`` (``offload.zero.overlap`` steps them one by one)."""
+    def step_sub_group(self, i: int, state: torch.Tensor, grad_multiplier: float, plan: StepPlan,
+                       out: torch.Tensor | None = None) -> None:
+        """Adam over one sub-group's resident ``state`` (``offload.zero.overlap`` steps them one by one); ``out``:
+        the sub-group's new params go there (its numel, in its order), not to the params (``write_params``)."""
         self._staging_free()
-        self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan)
+        self._step_sub_group(self.layout.sub_groups[i], state, grad_multiplier, plan, out=out)
+
+    def write_params(self, i: int, values: torch.Tensor) -> None:
+        """Sub-group ``i``'s params from ``values`` (what ``step_sub_group(out=values)`` wrote)."""
+        for p in self.layout.sub_groups[i].pieces:
+            self._out(p).copy_(values[p.sub_start:p.sub_start + p.numel])
 
     # [Note: publish as stepped] With the params on a GPU and the state on the host, the updated params of a
     # step reach the model through the staging buffer, a host -> device copy on the fetcher's stream. Made
@@ -358,8 +365,9 @@ class PartitionedAdam:
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
     def _step_sub_group(self, sg: SubGroup, state: torch.Tensor, mult: float, plan: StepPlan,
-                        logged: bool | None = None, grad: torch.Tensor | None = None) -> None:
-        """``logged``: None, or the pass goes through the undo log, resuming a cut one if True (compressed
+                        logged: bool | None = None, grad: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> None:
+        """``out``: as ``step_sub_group``'s. ``logged``: None, or the pass goes through the undo log, resuming a cut one if True (compressed
         states: through the undo copy of the block, [Note: block undo] in offload.zero.block_undo).
         ``grad``: the sub-group's accumulator, where the plan's is None (brought in by the caller)."""
         grad = plan.grads[sg.index] if grad is None else grad
@@ -369,7 +377,7 @@ class PartitionedAdam:
                                "restored from its undo copy", self.layout.rank, sg.index)
             elif logged is not None:
                 self.undo.save(sg.index, state)
-            self._step_compressed(sg, state, grad, mult, plan)
+            self._step_compressed(sg, state, grad, mult, plan, out)
             return
         n = sg.numel
         master, exp_avg, exp_avg_sq = state[:n], state[n:2 * n], state[2 * n:]
@@ -381,19 +389,20 @@ class PartitionedAdam:
             for pieces in ([p] for p in in_group) if self._params_out is not None else [in_group]:
                 self._step_pieces(pieces, master, grad, exp_avg, exp_avg_sq, plan.hypers[group], mult,
                                   plan.step_count, None if logged is None else (call, logged),
-                                  host=self._on_host and sg.index not in self._on_device)
+                                  host=self._on_host and sg.index not in self._on_device, out=out)
                 call += 1
 
     def _step_pieces(self, pieces: list[Piece], master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                      exp_avg_sq: torch.Tensor, hyper: AdamConfig, mult: float, step_count: int,
-                     logged: tuple[int, bool] | None = None, host: bool = True) -> None:
+                     logged: tuple[int, bool] | None = None, host: bool = True, out: torch.Tensor | None = None) -> None:
         """``host``: cpu_adam steps the pieces, else torch's fused Adam (their state is on the device)."""
         cut = [(p.sub_start, p.sub_start + p.numel) for p in pieces]
         masters = [master[a:b] for a, b in cut]
         grads = [grad[a:b] for a, b in cut]
         ms = [exp_avg[a:b] for a, b in cut]
         vs = [exp_avg_sq[a:b] for a, b in cut]
-        outs = [self._out(p) if host else self._flat_out(p) for p in pieces]
+        outs = [self._out(p) if host else self._flat_out(p) for p in pieces] if out is None else \
+            [out[p.sub_start:p.sub_start + p.numel] for p in pieces]
         if logged is not None:  # (call, resume): [Note: restartable step] in offload.checkpoint.resume
             steps = [torch.full((1,), float(step_count)) for _ in pieces]
             restored = self.undo.step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs,
@@ -408,7 +417,7 @@ class PartitionedAdam:
             torch_adam(masters, grads, ms, vs, outs, hyper, mult, step_count)
 
     def _step_compressed(self, sg: SubGroup, state: torch.Tensor, grad: torch.Tensor, mult: float,
-                         plan: StepPlan) -> None:
+                         plan: StepPlan, out: torch.Tensor | None = None) -> None:
         """``_step_sub_group`` over bf16 / int8 moments (``offload.zero.state_format``): one call per
         param group, or per piece with stage 3, as the fp32 path."""
         fmt = self.storage.format
@@ -417,7 +426,7 @@ class PartitionedAdam:
             for pieces in ([p] for p in in_group) if self._params_out is not None else [in_group]:
                 views = [fmt.piece(sg, state, p) for p in pieces]
                 grads = [grad[p.sub_start:p.sub_start + p.numel] for p in pieces]
-                outs = [self._out(p) for p in pieces]
+                outs = [self._out(p) if out is None else out[p.sub_start:p.sub_start + p.numel] for p in pieces]
                 steps = [torch.full((1,), float(plan.step_count)) for _ in pieces]
                 q8 = views[0].exp_avg_scale is not None
                 # a bf16 master's rounding is keyed by where its elements are in the model ([Note: a bf16 master])

@@ -80,8 +80,9 @@ each module waiting for its own ([Note: the step under the next forward] in offl
 ``offload_optimizer.ratio`` below 1 the device keeps those sub-groups ([Note: GPU-resident share] in
 offload.zero.device_share), whose Adam the GPU runs under the CPU's.
 
-Not supported: stage 3 (the update writes the param shards the hooks gather from), the state
-on the GPU (``offload_optimizer`` none: nothing to overlap), and ``offload.delayed_update``
+At stage 3 it runs where ``overlap_step`` is true ("auto" leaves it off there): the early sub-groups'
+params wait in buffers of their own until the verdict ([Note: early steps at stage 3]). Not supported:
+the state on the GPU (``offload_optimizer`` none: nothing to overlap), and ``offload.delayed_update``
 (which overlaps the whole step already): ``true`` there is a ConfigError, "auto" is off.
 """
 from __future__ import annotations
@@ -103,7 +104,7 @@ from offload.plan.budget import window_size
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OverlappedStep", "copies_that_fit", "overlap_wanted"]
+__all__ = ["OverlappedStep", "copies_that_fit", "overlap_runs", "overlap_wanted"]
 
 MIN_COPIES = 2
 """Sub-groups stepped early per step with the state in host memory, whatever the memory says."""
@@ -126,12 +127,22 @@ def overlap_wanted(setting: bool | str, *, device_type: str, stage: int, offload
         return False
     reason = ("offload.delayed_update is on" if delayed else
               "the optimizer state is not offloaded" if not offloaded else
-              "zero_optimization.stage 3 is not supported" if stage == 3 else None)
+              "zero_optimization.stage 3: offload.overlap_step true turns it on" if stage == 3 else None)
     if reason is not None:
         if log:
             logger.info("offload.overlap_step auto: off (%s); the step runs after backward", reason)
         return False
     return True
+
+
+def overlap_runs(wanted: bool, *, stage: int, grads_nvme: bool, daemon: bool) -> bool:
+    """Whether the overlapped step ``overlap_wanted`` asked for runs: not at stage 3 with the accumulators on
+    NVMe or a daemon's step record ([Note: early steps at stage 3]), where the log says it is off."""
+    if not wanted or stage != 3 or not (grads_nvme or daemon):
+        return wanted
+    logger.warning("offload.overlap_step: off (stage 3 with %s); the step runs after backward",
+                   "the gradient accumulators on NVMe" if grads_nvme else "a node daemon")
+    return False
 
 
 def copies_that_fit(sub_group_numels: list[int], *, available: int | None = None, local_ranks: int | None = None,
@@ -157,7 +168,9 @@ class OverlappedStep:
                               "(zero_optimization.offload_optimizer.device cpu or nvme)")
         self.adam = adam
         self.clip = gradient_clipping
-        adam.use_staging()  # raises for stage 3
+        self._held_params = adam._params_out is not None  # stage 3 ([Note: early steps at stage 3])
+        if not self._held_params:
+            adam.use_staging()
         layout = adam.layout
         self._sgs_of: dict[int, list[int]] = {}
         for sg in layout.sub_groups:
@@ -174,6 +187,7 @@ class OverlappedStep:
                         "rollback copies take up to %.2f GB of host memory (offload.overlap_step false: none)",
                         len(held), len(layout.sub_groups), 3 * F32 * sum(held) / 1e9)
         self._copies: list[torch.Tensor] = []  # rollback copies; the k-th early sub-group of a step uses the k-th
+        self._params: list[torch.Tensor] = []  # stage 3: the k-th early sub-group's new params, until the verdict
         self.commit = None
         """The daemon's commit region (``offload.checkpoint.resume.CommitRegion``; the builder sets it): the rollback
         copies are then regions of its store, each recorded once whole ([Note: speculative step])."""
@@ -267,6 +281,8 @@ class OverlappedStep:
             return  # the copies the step record can name
         if not storage.nvme and not self._have_copy(len(self._eager)):
             return
+        if self._held_params:
+            self._have_params(len(self._eager))
         self._futures.append(self.pool.submit(self._step_early, sg, len(self._eager)))
         self._eager.append(sg)
 
@@ -288,8 +304,20 @@ class OverlappedStep:
             if self.commit is not None:
                 self.commit.early_copied(k, sg)  # whole: a restart may restore it from now on
             self.backup_seconds += time.perf_counter() - t0
-        self.adam.step_sub_group(sg, state, self._mult, self._plan)
+        self.adam.step_sub_group(sg, state, self._mult, self._plan, out=self._params[k] if self._held_params else None)
         self._spans.append((t0, time.perf_counter()))
+
+    # [Note: early steps at stage 3] Stage 3's step writes each piece's new params into its param shard, which
+    # the units' gathers read. Stepped early, under backward, a sub-group's params go to a buffer of its own
+    # instead (the k-th early sub-group's, its numel in the compute dtype) and into the shards on the caller's
+    # thread once the verdict keeps them: the shards are never written from the worker (their store is not
+    # shared between threads), and a speculation undone leaves them as they were. Gathered units are dropped
+    # after the step as before (``after_step``). Not with the accumulators on NVMe (an early pass would need
+    # one brought in on the worker) nor a daemon's step record: the builder leaves the overlap off then.
+    def _have_params(self, k: int) -> None:
+        while len(self._params) <= k:
+            self._params.append(torch.empty(max(sg.numel for sg in self.adam.layout.sub_groups),
+                                            dtype=self.adam.flat_params.dtype))
 
     def _have_copy(self, k: int) -> bool:
         """Rollback copy ``k`` exists (made now, on the calling thread, if not): plain host memory, or with
@@ -370,6 +398,8 @@ class OverlappedStep:
         self.last_early = list(eager)
         self.adam.reset_publishing()
         self.adam.publish_sub_groups(eager)  # final now ([Note: publish as stepped] in offload.zero.optimizer)
+        for k, sg in enumerate(eager if self._held_params else ()):  # into their shards now
+            self.adam.write_params(sg, self._params[k])
         self._ahead = {}
         if self.tail is not None and record is None and progress is None:
             self._step_under_forward(grad_multiplier, plan, eager)

@@ -27,6 +27,8 @@ def _config(device: str, tmp_path, *, ratio, stage: int = 1, gas: int = 1, param
     config["zero_optimization"]["offload_optimizer"]["ratio"] = ratio
     if param != "none":
         config["zero_optimization"]["offload_param"] = {"device": param}
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every param in a unit with shards
     return config
 
 

@@ -318,7 +318,6 @@ def test_two_ranks_match_the_ordinary_step_and_torch(tmp_path):
 
 @pytest.mark.parametrize("offload,zero,match", [
     ({"overlap_step": True, "delayed_update": True}, {}, "offload.overlap_step and offload.delayed_update"),
-    ({"overlap_step": True}, {"stage": 3}, "stage 3"),
     ({"overlap_step": True}, {"offload_optimizer": {"device": "none"}}, "offload_optimizer.device cpu or nvme"),
     ({"overlap_step": "yes"}, {}, "overlap_step"),
 ])

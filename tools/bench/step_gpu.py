@@ -20,7 +20,8 @@ batches; one rank):
   opt-cpu-lean   opt-cpu-int8 with data_types.grad_accum_dtype "bf16" (2-byte host gradient accumulators)
   s3-param-cpu   ZeRO stage 3, offload_param cpu, offload_optimizer cpu
   s3-param-cpu-live25  s3-param-cpu with the GPU's gathered params held to a quarter of the model
-                 (stage3_max_live_parameters and stage3_max_reuse_distance at 1/4 of the params)
+                 (stage3_max_live_parameters and stage3_max_reuse_distance at 1/4 of the params) and the
+                 overlapped step (offload.overlap_step true: "auto" leaves it off at stage 3)
   s3-param-nvme  ZeRO stage 3, offload_param nvme, offload_optimizer nvme (ZeRO-Infinity)
   ds-z2-opt-cpu  DeepSpeed's engine, ZeRO stage 2, offload_optimizer cpu, at its best ([Note: DeepSpeed
                  at its best] in step_deepspeed.py), held against opt-cpu

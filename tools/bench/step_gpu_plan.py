@@ -76,7 +76,7 @@ CONTENDERS = (
     Contender(name="opt-cpu-int8", stage=1, optimizer="cpu", state_dtype="int8"),
     Contender(name="opt-cpu-lean", stage=1, optimizer="cpu", state_dtype="int8", grad_accum_dtype="bf16"),
     Contender(name="s3-param-cpu", stage=3, optimizer="cpu", param="cpu"),
-    Contender(name="s3-param-cpu-live25", stage=3, optimizer="cpu", param="cpu", live_share=0.25),
+    Contender(name="s3-param-cpu-live25", stage=3, optimizer="cpu", param="cpu", live_share=0.25, overlap=True),
     Contender(name="s3-param-nvme", stage=3, optimizer="nvme", param="nvme"),
     Contender(name="ds-z2-opt-cpu", stage=2, optimizer="cpu", deepspeed=True),
     Contender(name="ds-z3-param-cpu", stage=3, optimizer="cpu", param="cpu", deepspeed=True),

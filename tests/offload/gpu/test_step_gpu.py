@@ -205,7 +205,7 @@ def test_deepspeeds_rows_are_skipped_saying_why_where_it_does_not_import(tmp_pat
 
 def test_the_live_quarter_row_holds_the_gathered_params_to_a_quarter(tmp_path):
     """s3-param-cpu-live25: stage3_max_live_parameters and stage3_max_reuse_distance reach the engine at a
-    quarter of the model's parameters (DeepSpeed's keys, DeepSpeed's meaning)."""
+    quarter of the model's parameters (DeepSpeed's keys, DeepSpeed's meaning), with the overlapped step."""
     from step_gpu_rows import build
 
     gcfg = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64, tied_head=True)
@@ -215,6 +215,7 @@ def test_the_live_quarter_row_holds_the_gathered_params_to_a_quarter(tmp_path):
         params = GPT(gcfg, seed=0).num_parameters()
         config = row.engine.stage3.coordinator.config
         assert config.max_live_numel == config.max_reuse_distance_numel == params // 4
+        assert row.engine.overlap is not None  # the overlapped step, which "auto" leaves off at stage 3
     finally:
         row.close()
 
