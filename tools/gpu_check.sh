@@ -7,8 +7,9 @@
 # The call (the device tool's run):
 #   command: bash tools/gpu_check.sh    carry: [".whl"]    timeout_s: 600
 #   and a second one for the NVMe rows and the largest model:  bash tools/gpu_check.sh setup step-nvme largest
-#   issue 38 (the offloaded step under the GPU's compute): the first call above (setup tests step): the
-#     cuda tests, then every 1B row with the engine's per-step breakdown (what ran under backward)
+#   issue 38 (the offloaded step under the GPU's compute), two calls: the first above (setup tests step): the
+#     cuda tests, then the stage 1 rows with the engine's per-step breakdown (what ran under backward and under
+#     the next forward); then  bash tools/gpu_check.sh setup step-s3  (the stage 3 rows)
 #   issue 39 (the sizes people offload for, against DeepSpeed), a call each (about 8, 6 and 8 minutes):
 #     bash tools/gpu_check.sh setup hf-8b
 #     bash tools/gpu_check.sh setup step-ds hf-14b
@@ -24,9 +25,10 @@
 #   fetch    tools/bench/bench_fetch.py (H2D / D2H GB/s against the pinned peak, 1,000 x 64 KiB
 #            batched against the copy_ loop, the measured batch threshold) -> $OUT/bench_fetch.md
 #   step     tools/bench/step_gpu.py at ~1B, interleaved: torch, none, opt-cpu, opt-cpu-serial, opt-cpu-fwd,
-#            opt-cpu-half, opt-cpu-int8, s3-param-cpu, s3-param-cpu-live25 (all built at once: ~100 GB of host
-#            memory; opt-cpu-dpu, whose figure is known, by STEP_CONTENDERS, which overrides the list)
+#            opt-cpu-half (STEP_CONTENDERS overrides the list; opt-cpu-dpu, whose figure is known, is left out)
 #            -> $OUT/step_gpu_1b.md (the run's log), $OUT/step_gpu_1b.table.md (the report)
+#   step-s3  the same with torch, none, s3-param-cpu, s3-param-cpu-live25 (the overlapped step at stage 3),
+#            opt-cpu-int8 (STEP_S3_CONTENDERS overrides) -> $OUT/step_gpu_1b_s3.md, $OUT/step_gpu_1b_s3.table.md
 #   step-nvme  the same with torch, none, opt-nvme, s3-param-nvme (each NVMe step moves the 12 GB of
 #            fp32 state both ways, seconds per step: fewer rounds) -> $OUT/step_gpu_1b_nvme.md
 #   largest  tools/bench/step_gpu.py --largest: the most layers at dim 4096 that fit with
@@ -144,10 +146,15 @@ for stage in "${stages[@]}"; do
       run_stage fetch 120 "$OUT/bench_fetch.md" $PY tools/bench/bench_fetch.py --rounds 5 ;;
     # The step benches stop measuring 30 s before their stage's limit and report what they measured.
     step)
-      lim=$(limit_for 360)
+      lim=$(limit_for 300)
       run_stage step "$lim" "$OUT/step_gpu_1b.md" $PY tools/bench/step_gpu.py --rounds 3 --steps-per-round 3 \
-        --contenders ${STEP_CONTENDERS:-torch none opt-cpu opt-cpu-serial opt-cpu-fwd opt-cpu-half opt-cpu-int8 s3-param-cpu s3-param-cpu-live25} --nvme-path /tmp --budget-seconds $((lim - 30)) \
-        --out "$OUT/step_gpu_1b.table.md" ;;
+        --contenders ${STEP_CONTENDERS:-torch none opt-cpu opt-cpu-serial opt-cpu-fwd opt-cpu-half} --nvme-path /tmp \
+        --budget-seconds $((lim - 30)) --out "$OUT/step_gpu_1b.table.md" ;;
+    step-s3)
+      lim=$(limit_for 360)
+      run_stage step-s3 "$lim" "$OUT/step_gpu_1b_s3.md" $PY tools/bench/step_gpu.py --rounds 3 --steps-per-round 3 \
+        --contenders ${STEP_S3_CONTENDERS:-torch none s3-param-cpu s3-param-cpu-live25 opt-cpu-int8} --nvme-path /tmp \
+        --budget-seconds $((lim - 30)) --out "$OUT/step_gpu_1b_s3.table.md" ;;
     step-nvme)
       lim=$(limit_for 300)
       run_stage step-nvme "$lim" "$OUT/step_gpu_1b_nvme.md" $PY tools/bench/step_gpu.py --rounds 2 --steps-per-round 2 \
@@ -176,7 +183,7 @@ for stage in "${stages[@]}"; do
         --steps 3 --micro-batch 8 --accum 1 --headroom 0.9 --nvme-path /tmp --budget-seconds $((lim - 200)) \
         --out "$OUT/step_hf_largest.table.md" ;;
     *)
-      echo "gpu_check: unknown stage $stage (setup tests fetch step step-nvme largest step-ds hf-8b hf-14b hf-largest)" | tee -a "$summary"
+      echo "gpu_check: unknown stage $stage (setup tests fetch step step-s3 step-nvme largest step-ds hf-8b hf-14b hf-largest)" | tee -a "$summary"
       status=2 ;;
   esac
 done
