@@ -164,7 +164,7 @@ class GradReducer:
         self._launched[b.index] = True
         buf = self.flat_grads[b.start:b.start + b.numel]
         if self.comm_world == 1:
-            if self._fetcher is not None and buf.is_cuda and b.index not in self._device_buckets:
+            if self._to_host(b, buf):
                 self._start_offload(b, buf)
                 return
             if self._stealing:
@@ -219,13 +219,18 @@ class GradReducer:
 
     def _reduced(self, b: Bucket, shard: torch.Tensor) -> None:
         """A bucket whose reduction has finished: to the host (a GPU model) or landed."""
-        if self._fetcher is not None and shard.is_cuda and b.index not in self._device_buckets:
+        if self._to_host(b, shard):
             self._start_offload(b, shard)
             return
         in_place = self.stage == 0  # the all-reduced bucket is the flat buffer's own
         base = b.start if in_place else b.shard_start(self.layout.rank)
         if not self._land(b, shard_source(shard, base), self._first, self._final, in_place):
             self.flat_grads[b.start:b.start + b.numel].zero_()
+
+    def _to_host(self, b: Bucket, grad: torch.Tensor) -> bool:
+        """Whether a bucket's reduced gradient goes to the host before it lands: a GPU's, but for the buckets
+        kept on the device ([Note: GPU-resident share] in offload.zero.device_share)."""
+        return self._fetcher is not None and grad.is_cuda and b.index not in self._device_buckets
 
     def _offloaded(self, b: Bucket, host: torch.Tensor, pending: Any) -> None:
         self._fetcher.wait_offload(pending)

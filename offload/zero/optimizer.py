@@ -334,8 +334,7 @@ class PartitionedAdam:
             sg = self.layout.sub_groups[i]
             master = self.storage.format.master(sg, state)
             for p in sg.pieces:
-                out = self._flat_out(p) if i in self._on_device else self._out(p)
-                out.copy_(master[p.sub_start:p.sub_start + p.numel])
+                self._out(p, staged=i not in self._on_device).copy_(master[p.sub_start:p.sub_start + p.numel])
             self.storage.release(i, dirty=False)
         self.storage.drain()
         if self._staging is not None:
@@ -350,17 +349,12 @@ class PartitionedAdam:
                           adamw_mode=self.adamw_mode, bias_correction=self.bias_correction,
                           num_threads=self.num_threads)
 
-    def _flat_out(self, piece: Piece) -> torch.Tensor:
-        """Where a device-resident piece's new params go: the flat buffer, in place (stepped after backward,
-        before anything reads them again); stage 3's param shard (``params_out``)."""
+    def _out(self, piece: Piece, staged: bool = True) -> torch.Tensor:
+        """Where a piece's new params go. ``staged`` False: never the staging buffer (a device-resident piece,
+        stepped in place after backward, before anything reads its params again)."""
         if self._params_out is not None:
             return self._params_out(piece)
-        return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
-
-    def _out(self, piece: Piece) -> torch.Tensor:
-        if self._params_out is not None:
-            return self._params_out(piece)
-        if self._staging is not None:  # a GPU model: the copy lands on the host, then goes over at once
+        if staged and self._staging is not None:  # a GPU model: the copy lands on the host, then goes over at once
             return self._staging[piece.part_start:piece.part_start + piece.numel]
         return self.flat_params[piece.flat_start:piece.flat_start + piece.numel]
 
@@ -401,8 +395,7 @@ class PartitionedAdam:
         grads = [grad[a:b] for a, b in cut]
         ms = [exp_avg[a:b] for a, b in cut]
         vs = [exp_avg_sq[a:b] for a, b in cut]
-        outs = [self._out(p) if host else self._flat_out(p) for p in pieces] if out is None else \
-            [out[p.sub_start:p.sub_start + p.numel] for p in pieces]
+        outs = [self._out(p, staged=host) if out is None else out[p.sub_start:p.sub_start + p.numel] for p in pieces]
         if logged is not None:  # (call, resume): [Note: restartable step] in offload.checkpoint.resume
             steps = [torch.full((1,), float(step_count)) for _ in pieces]
             restored = self.undo.step(masters, grads, ms, vs, steps, config=hyper, grad_scale=mult, params_out=outs,

@@ -64,6 +64,8 @@ class StateStorage:
             raise ConfigError("bf16 gradient accumulators need the optimizer state offloaded (cpu or nvme)")
         if on_device and tier is not None and not (state_format or StateFormat()).fp32:
             raise ConfigError("a device-resident share of the optimizer state needs fp32 states and masters")
+        if on_device and grad_window is not None:
+            raise ConfigError("a device-resident share of the optimizer state keeps the accumulators off NVMe")
         self.grad_dtype = grad_dtype
         self.on_device = frozenset(on_device) if tier is not None else frozenset(range(len(layout.sub_groups)))
         """Sub-groups whose state is a tensor on ``device`` (all of them without a tier)."""
@@ -168,9 +170,9 @@ class StateStorage:
 
     def grad(self, sg: int) -> torch.Tensor:
         """The fp32 gradient accumulator of a sub-group, resident (not with the gradient tier on NVMe)."""
-        name = self._grad_name(sg)
-        if self.grads_tier is not None and sg not in self.on_device:
+        if self.grads_tier is not None:
             raise ConfigError("the gradient accumulators are on NVMe: use grad_for_landing / acquire_grad")
+        name = self._grad_name(sg)
         t = self._tensors.get(name)
         return t if t is not None else self._view(name, self.layout.sub_groups[sg].numel, cache=True,
                                                   dtype=self.grad_dtype)
@@ -179,7 +181,7 @@ class StateStorage:
 
     def grad_for_landing(self, sg: int, first: bool) -> torch.Tensor:
         """The accumulator a bucket's piece lands in (``first``: a cycle's first micro-step, overwriting it)."""
-        return self.grad(sg) if self.grads_tier is None or sg in self.on_device else self.grads_tier.for_landing(sg, first)
+        return self.grad(sg) if self.grads_tier is None else self.grads_tier.for_landing(sg, first)
 
     def begin_landing(self) -> None:
         """Before a micro-step's backward (the gradient tier recounts what lands: ``GradTier.begin``)."""
@@ -188,14 +190,14 @@ class StateStorage:
 
     def grad_landed(self, sg: int) -> None:
         """One piece of ``sg`` has landed (with the gradient tier, its last one this micro-step writes it back)."""
-        if self.grads_tier is not None and sg not in self.on_device:
+        if self.grads_tier is not None:
             self.grads_tier.landed(sg)
 
     def step_grads(self) -> list[torch.Tensor | None]:
         """The accumulators a step reads: the resident ones, or None each with the gradient tier on NVMe
         (the step acquires each beside its state block: ``acquire_grad``)."""
         if self.grads_tier is not None:
-            return [self.grad(i) if i in self.on_device else None for i in range(len(self.layout.sub_groups))]
+            return [None] * len(self.layout.sub_groups)
         return [self.grad(i) for i in range(len(self.layout.sub_groups))]
 
     def prefetch_grads(self, sgs: Iterable[int]) -> None:

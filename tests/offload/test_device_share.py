@@ -301,3 +301,14 @@ def test_the_device_sum_of_squares_is_the_hosts():
     t = torch.randn(1001, generator=torch.Generator().manual_seed(3))
     for chunk in (7, 1000, 1001, 1 << 24):
         assert float(device_sumsq(t, chunk=chunk)) == pytest.approx(grad_sumsq([t]), rel=1e-12)
+
+
+def test_storage_refuses_kept_sub_groups_beside_accumulators_on_nvme():
+    """The plan never asks for both (gradient_tier "auto" stays in host memory beside a kept share, "nvme" is a
+    ConfigError): the storage says so rather than lose track of a kept accumulator."""
+    from offload.zero.states import StateStorage
+
+    layout = _layout([640] * 4, 640)
+    with pytest.raises(ConfigError, match="accumulators off NVMe"):
+        StateStorage(layout, tier=object(), nvme=False, device=torch.device("cpu"), window=2, grad_window=2,
+                     on_device=frozenset({3}))
